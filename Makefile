@@ -1,0 +1,28 @@
+# Two commands from a bare clone: `make demo` (the main job) and `make test` (the test suite).
+# Each creates its own virtual environment (.venv) and installs what it needs.
+# TORCH overrides how PyTorch is installed, e.g. `make demo TORCH="torch --index-url https://download.pytorch.org/whl/cu124"`.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PIP    := $(VENV)/bin/python -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/attnlab demo $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -1,0 +1,207 @@
+"""Scaled dot-product attention, masks, the multi-head attention module and its KV cache.
+
+Mask convention (one for the whole library, the same as ``torch.nn.functional.
+scaled_dot_product_attention``'s boolean ``attn_mask``): a **boolean tensor, True = this query may
+attend to this key**, broadcastable to (batch, heads, query_len, key_len). Masks combine with
+logical AND. A query row whose keys are *all* masked (e.g. a left-padding position of a
+decoder-only batch under the causal mask) outputs exactly zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .embedding import apply_rotary
+
+# -- masks ----------------------------------------------------------------------------------------
+
+
+def padding_mask(key_is_token: torch.Tensor) -> torch.Tensor:
+    """(B, Tk) bool, True for real tokens → (B, 1, 1, Tk): padding keys get no attention.
+
+    Cross-attention uses the *source* padding mask and no causal mask."""
+    return key_is_token.bool()[:, None, None, :]
+
+
+def causal_mask(q_len: int, k_len: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """(1, 1, Tq, Tk) bool: query i may see keys j ≤ i — the *lower* triangle, diagonal included.
+
+    With k_len > q_len the queries are the last q_len positions (incremental decoding with a KV
+    cache), so the triangle is shifted right by k_len - q_len."""
+    k_len = q_len if k_len is None else k_len
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
+
+
+def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
+    """Logical AND of the given masks (None = no restriction)."""
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m if out is None else out & m
+    return out
+
+
+# -- the attention function -----------------------------------------------------------------------
+
+
+def scaled_dot_product_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+    is_causal: bool = False, dropout_p: float = 0.0, need_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(QKᵀ/√d_k + bias)·V with d_k the *per-head* dimension.
+
+    q: (B, h, Tq, hd); k, v: (B, kv, Tk, hd) with h a multiple of kv (GQA/MQA: query head i uses
+    key/value head i // (h/kv)). ``mask`` is boolean (True = attend); ``bias`` is added to the
+    scores (ALiBi). The fast path is PyTorch's fused kernel; ``need_weights=True`` takes the
+    explicit path that also returns the (B, h, Tq, Tk) attention weights.
+    """
+    h, kv = q.shape[1], k.shape[1]
+    if is_causal and (mask is not None or bias is not None or need_weights):
+        mask = combine_masks(mask, causal_mask(q.shape[2], k.shape[2], q.device))
+        is_causal = False
+    valid_rows = None
+    if mask is not None:
+        # A row with no allowed key would be softmax over all -inf = NaN. Let such rows attend
+        # anywhere (finite), then zero their output below.
+        valid_rows = mask.any(dim=-1, keepdim=True)  # (B|1, 1, Tq, 1)
+        mask = mask | ~valid_rows
+    attn_mask = mask
+    if bias is not None:
+        attn_mask = (bias if mask is None else bias.masked_fill(~mask, float("-inf"))).to(q.dtype)
+
+    if not need_weights:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                             is_causal=is_causal, enable_gqa=h != kv)
+        weights = None
+    else:
+        if h != kv:
+            k = k.repeat_interleave(h // kv, dim=1)  # (B, h, Tk, hd)
+            v = v.repeat_interleave(h // kv, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, h, Tq, Tk)
+        if attn_mask is not None:
+            scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                      else scores + attn_mask)
+        weights = scores.softmax(dim=-1)
+        if valid_rows is not None:
+            weights = weights.masked_fill(~valid_rows, 0.0)
+        out = F.dropout(weights, dropout_p) @ v  # (B, h, Tq, hd)
+    if valid_rows is not None:
+        out = out.masked_fill(~valid_rows, 0.0)
+    return out, weights
+
+
+# -- KV cache -------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of one attention module across decoding steps.
+
+    Self-attention appends each step's new K/V into a preallocated buffer (no O(T²) re-copying);
+    cross-attention stores the encoder's K/V once, since the memory never changes.
+    """
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = capacity
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (B, kv, T, hd) for the new positions → all keys/values so far."""
+        t = k.shape[2]
+        if self.k is None or self.length + t > self.k.shape[2]:
+            size = max(self.capacity, 2 * (self.length + t), 16)
+            new_k = k.new_empty(k.shape[0], k.shape[1], size, k.shape[3])
+            new_v = v.new_empty(v.shape[0], v.shape[1], size, v.shape[3])
+            if self.k is not None:
+                new_k[:, :, : self.length] = self.k[:, :, : self.length]
+                new_v[:, :, : self.length] = self.v[:, :, : self.length]
+            self.k, self.v = new_k, new_v
+        self.k[:, :, self.length: self.length + t] = k
+        self.v[:, :, self.length: self.length + t] = v
+        self.length += t
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+    def set(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v, self.length = k, v, k.shape[2]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (beam search reordering, finished rows dropped)."""
+        if self.k is not None:
+            self.k = self.k.index_select(0, index)
+            self.v = self.v.index_select(0, index)
+
+
+# -- the module -----------------------------------------------------------------------------------
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention for self-, causal self- and cross-attention, with MHA/GQA/MQA.
+
+    Self-attention projects Q, K and V with one fused matrix (one GEMM instead of three);
+    cross-attention projects Q from the decoder stream and K, V (fused) from the encoder output.
+    Heads come from one reshape + transpose — never a Python loop over heads — so h heads of
+    d_k = d_model/h cost the same FLOPs as one big head.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *,
+                 bias: bool = True, dropout: float = 0.0, cross: bool = False):
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.head_dim = d_model // n_heads
+        self.cross = cross
+        self.dropout = dropout
+        q_dim, kv_dim = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if cross:
+            self.q_proj = nn.Linear(d_model, q_dim, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
+        self.out_proj = nn.Linear(q_dim, d_model, bias=bias)
+        # Set by attnlab.inspect.record_attention to keep the last attention weights (pictures).
+        self.record_weights = False
+        self.last_weights: torch.Tensor | None = None
+
+    def forward(
+        self, x: torch.Tensor, memory: torch.Tensor | None = None, *,
+        mask: torch.Tensor | None = None, is_causal: bool = False,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None, bias: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.cross:
+            if memory is None and (cache is None or cache.k is None):
+                raise ValueError("cross-attention needs the encoder output (memory)")
+            q = self.q_proj(x).view(B, T, h, hd).transpose(1, 2)  # (B, h, T, hd)
+            if cache is not None and cache.k is not None:
+                k, v = cache.k, cache.v  # encoder K/V computed once, reused every step
+            else:
+                S = memory.shape[1]
+                k, v = self.kv_proj(memory).view(B, S, 2, kv, hd).permute(2, 0, 3, 1, 4)  # 2×(B, kv, S, hd)
+                if cache is not None:
+                    cache.set(k, v)
+        else:
+            q, k, v = self.qkv_proj(x).split([h * hd, kv * hd, kv * hd], dim=-1)
+            q = q.view(B, T, h, hd).transpose(1, 2)  # (B, h, T, hd)
+            k = k.view(B, T, kv, hd).transpose(1, 2)  # (B, kv, T, hd)
+            v = v.view(B, T, kv, hd).transpose(1, 2)  # (B, kv, T, hd)
+            if rope is not None:
+                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            if cache is not None:
+                k, v = cache.append(k, v)  # (B, kv, past+T, hd)
+        out, weights = scaled_dot_product_attention(
+            q, k, v, mask, bias, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0, need_weights=self.record_weights)
+        if self.record_weights:
+            self.last_weights = weights.detach()
+        # transpose makes the tensor non-contiguous; view needs contiguous memory (the classic bug
+        # is a view that silently scrambles heads, or an error).
+        out = out.transpose(1, 2).contiguous().view(B, T, h * hd)  # (B, T, d)
+        return self.out_proj(out)

@@ -1,0 +1,343 @@
+"""The three families: ``EncoderDecoder`` (the paper), ``DecoderOnly`` (GPT, Llama) and
+``EncoderOnly`` (BERT), built from one ``TransformerConfig``.
+
+Data flow of the encoder-decoder (the paper's Figure 1):
+source ids → embedding ×√d + positions → N encoder layers → memory H (B, S, d);
+target prefix (the gold target shifted right during training: *teacher forcing*) → embedding +
+positions → N decoder layers (causal self-attention, cross-attention over H, FFN) → linear output
+projection → logits over the target vocabulary (softmax is left to the loss / the sampler).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import TransformerConfig
+from .attention import KVCache, causal_mask, padding_mask
+from .embedding import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
+                        TokenEmbedding, alibi_bias, alibi_slopes)
+from .layers import DecoderLayer, EncoderLayer, make_norm
+
+
+class Embeddings(nn.Module):
+    """Token embedding (×√d_model) + added positions (+ token types) → (norm) → dropout.
+
+    RoPE and ALiBi add nothing here: they act inside attention.
+    """
+
+    def __init__(self, cfg: TransformerConfig, token: TokenEmbedding):
+        super().__init__()
+        self.token = token
+        self.position: nn.Module | None = None
+        if cfg.positions == "sinusoidal":
+            self.position = SinusoidalPositionalEncoding(cfg.d_model, cfg.sinusoidal_layout)
+        elif cfg.positions == "learned":
+            self.position = LearnedPositionalEmbedding(cfg.max_len, cfg.d_model)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+        self.norm = make_norm(cfg) if cfg.embedding_norm else None
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.token(ids)  # (B, T, d)
+        if self.position is not None:
+            x = x + self.position(positions).to(x.dtype)  # added, not concatenated
+        if self.token_type is not None:
+            x = x + self.token_type(token_type_ids if token_type_ids is not None else torch.zeros_like(ids))
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)
+
+
+class Encoder(nn.Module):
+    """A stack of N encoder layers (+ the final norm of Pre-Norm models)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.norm = make_norm(cfg) if cfg.has_final_norm else None
+
+    def forward(self, x, mask=None, *, rope=None, bias=None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, mask, rope=rope, bias=bias)
+        return self.norm(x) if self.norm is not None else x
+
+
+class Decoder(nn.Module):
+    """A stack of N decoder layers (with or without cross-attention) (+ final norm)."""
+
+    def __init__(self, cfg: TransformerConfig, cross_attention: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention) for _ in range(cfg.n_decoder_layers))
+        self.norm = make_norm(cfg) if cfg.has_final_norm else None
+
+    def forward(self, x, memory=None, *, mask=None, is_causal=False, memory_mask=None, rope=None,
+                bias=None, cache: "DecoderCache | None" = None) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, mask=mask, is_causal=is_causal, memory_mask=memory_mask, rope=rope,
+                      bias=bias, cache=cache.layers[i] if cache is not None else None)
+        return self.norm(x) if self.norm is not None else x
+
+
+class DecoderCache:
+    """The KV cache of a whole decoder: per layer, a self-attention cache and (encoder-decoder)
+    a cross-attention cache holding the encoder's K/V, computed once."""
+
+    def __init__(self, n_layers: int, cross_attention: bool, capacity: int = 0):
+        self.layers = [(KVCache(capacity), KVCache() if cross_attention else None)
+                       for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].length
+
+    def reorder(self, index: torch.Tensor, cross: bool = False) -> None:
+        """Select batch rows. Beam search reorders within each source's beams, where the
+        cross-attention K/V are identical, so by default they are left untouched (no copy)."""
+        for self_cache, cross_cache in self.layers:
+            self_cache.reorder(index)
+            if cross and cross_cache is not None:
+                cross_cache.reorder(index)
+
+
+class TransformerBase(nn.Module):
+    """What all families share: config, positions inside attention, init, counting."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.config = cfg
+        self.rotary = (RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+                       if cfg.positions == "rope" else None)
+        if cfg.positions == "alibi":
+            self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        else:
+            self.alibi_slopes = None
+
+    def _attention_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """RoPE (cos, sin) for the queries/keys and the ALiBi bias, once per forward."""
+        rope = self.rotary(q_pos) if self.rotary is not None else None
+        bias = alibi_bias(self.alibi_slopes, q_pos, k_pos) if self.alibi_slopes is not None else None
+        return rope, bias
+
+    def _make_output_projection(self, vocab_size: int, tied: TokenEmbedding | None) -> nn.Linear:
+        cfg = self.config
+        head = nn.Linear(cfg.d_model, vocab_size, bias=cfg.output_bias)
+        if cfg.output_bias:
+            nn.init.zeros_(head.bias)
+        if tied is not None:
+            head.weight = tied.weight  # weight tying: one (V × d) matrix for input and output
+        return head
+
+    def reset_parameters(self) -> None:
+        """Initialise weights by ``config.init``:
+
+        * ``xavier`` (the Annotated Transformer, fairseq): Xavier-uniform linear layers, token
+          embeddings N(0, d^-1/2) so that ×√d gives unit scale;
+        * ``normal`` (GPT-2, BERT): N(0, init_std) everywhere, residual output projections scaled
+          by 1/√(2·layers) so the residual stream's variance does not grow with depth;
+        * ``torch``: PyTorch's defaults.
+        """
+        cfg = self.config
+        if cfg.init == "torch":
+            return
+        n_layers = max(cfg.n_encoder_layers if cfg.has_encoder else 0,
+                       cfg.n_decoder_layers if cfg.has_decoder else 0)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                if cfg.init == "xavier":
+                    nn.init.xavier_uniform_(module.weight)
+                else:
+                    std = cfg.init_std
+                    if name.endswith(("out_proj", "w_out")):
+                        std /= math.sqrt(2 * n_layers)
+                    nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.Embedding, LearnedPositionalEmbedding)):
+                nn.init.normal_(module.weight, std=cfg.init_std)
+        # Token embeddings last: a tied output projection shares their Parameter, and the Linear
+        # init above must not be the one that sticks.
+        for module in self.modules():
+            if isinstance(module, TokenEmbedding):
+                nn.init.normal_(module.weight, std=cfg.d_model ** -0.5 if cfg.init == "xavier" else cfg.init_std)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Shared (tied) parameters are counted once."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+
+def _key_positions(attention_mask: torch.Tensor | None, length: int, device) -> torch.Tensor:
+    """Positions of all keys: 0..T-1, or counted over real tokens only for left-padded rows."""
+    if attention_mask is None:
+        return torch.arange(length, device=device)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+
+
+class EncoderDecoder(TransformerBase):
+    """The Transformer of the paper: encoder + decoder with cross-attention + output projection."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__(cfg)
+        if cfg.family != "encoder-decoder":
+            raise ValueError(f"EncoderDecoder needs family='encoder-decoder', got {cfg.family!r}")
+        src_token = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.embed_scale)
+        tgt_token = src_token if cfg.share_embeddings else TokenEmbedding(cfg.target_vocab_size, cfg.d_model,
+                                                                         cfg.embed_scale)
+        self.src_embed = Embeddings(cfg, src_token)
+        self.tgt_embed = Embeddings(cfg, tgt_token)
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg, cross_attention=True)
+        self.lm_head = self._make_output_projection(cfg.target_vocab_size, tgt_token if cfg.tie_output else None)
+        self.reset_parameters()
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """src (B, S) ids; src_mask (B, S) bool, True for real tokens → memory (B, S, d)."""
+        pos = torch.arange(src.shape[1], device=src.device)
+        rope, bias = self._attention_positions(pos, pos)
+        x = self.src_embed(src, pos)
+        mask = padding_mask(src_mask) if src_mask is not None else None
+        return self.encoder(x, mask, rope=rope, bias=bias)
+
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None = None,
+               tgt_mask: torch.Tensor | None = None, cache: DecoderCache | None = None,
+               last_only: bool = False) -> torch.Tensor:
+        """tgt (B, T) target prefix → logits (B, T, V) (or (B, V) with last_only).
+
+        With a cache, ``tgt`` holds only the new positions and ``tgt_mask`` (if any) covers all
+        positions so far."""
+        past = cache.length if cache is not None else 0
+        T = tgt.shape[1]
+        pos = torch.arange(past, past + T, device=tgt.device)
+        rope, bias = self._attention_positions(pos, torch.arange(past + T, device=tgt.device))
+        x = self.tgt_embed(tgt, pos)
+        mask, is_causal = None, past == 0 and T > 1
+        if tgt_mask is not None:
+            mask = padding_mask(tgt_mask) & causal_mask(T, past + T, tgt.device)
+            is_causal = False
+        elif past and T > 1:
+            mask = causal_mask(T, past + T, tgt.device)
+            is_causal = False
+        memory_mask = padding_mask(src_mask) if src_mask is not None else None
+        h = self.decoder(x, memory, mask=mask, is_causal=is_causal, memory_mask=memory_mask,
+                         rope=rope, bias=bias, cache=cache)
+        return self.lm_head(h[:, -1] if last_only else h)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
+                tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher forcing: all target positions in one pass; the causal mask keeps each position
+        from seeing its future."""
+        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
+
+    def new_cache(self, capacity: int = 0) -> DecoderCache:
+        return DecoderCache(self.config.n_decoder_layers, cross_attention=True, capacity=capacity)
+
+
+class DecoderOnly(TransformerBase):
+    """A causal language model (GPT, Llama): decoder layers without cross-attention."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__(cfg)
+        if cfg.family != "decoder-only":
+            raise ValueError(f"DecoderOnly needs family='decoder-only', got {cfg.family!r}")
+        token = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.embed_scale)
+        self.embed = Embeddings(cfg, token)
+        self.decoder = Decoder(cfg, cross_attention=False)
+        self.lm_head = self._make_output_projection(cfg.vocab_size, token if cfg.tie_output else None)
+        self.reset_parameters()
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, cache: DecoderCache | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """ids (B, T) → logits (B, T, V). ``attention_mask`` (B, past+T) marks real tokens; with
+        left padding, positions count real tokens only, so a padded row equals the prompt alone."""
+        past = cache.length if cache is not None else 0
+        B, T = ids.shape
+        k_pos = _key_positions(attention_mask, past + T, ids.device)
+        if positions is None:
+            positions = k_pos[..., past:]
+        rope, bias = self._attention_positions(positions, k_pos)
+        x = self.embed(ids, positions)
+        mask, is_causal = None, past == 0 and T > 1
+        if attention_mask is not None:
+            mask = padding_mask(attention_mask) & causal_mask(T, past + T, ids.device)
+            is_causal = False
+        elif past and T > 1:
+            mask = causal_mask(T, past + T, ids.device)
+            is_causal = False
+        h = self.decoder(x, mask=mask, is_causal=is_causal, rope=rope, bias=bias, cache=cache)
+        return self.lm_head(h[:, -1] if last_only else h)
+
+    def new_cache(self, capacity: int = 0) -> DecoderCache:
+        return DecoderCache(self.config.n_decoder_layers, cross_attention=False, capacity=capacity)
+
+
+class EncoderOnly(TransformerBase):
+    """A bidirectional encoder (BERT): hidden states, a masked-LM head, pooling and an optional
+    classification head."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__(cfg)
+        if cfg.family != "encoder-only":
+            raise ValueError(f"EncoderOnly needs family='encoder-only', got {cfg.family!r}")
+        token = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.embed_scale)
+        self.embed = Embeddings(cfg, token)
+        self.encoder = Encoder(cfg)
+        self.lm_head = self._make_output_projection(cfg.vocab_size, token if cfg.tie_output else None)
+        self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler_activation else None
+        self.classifier = (nn.Sequential(nn.Dropout(cfg.dropout), nn.Linear(cfg.d_model, cfg.n_classes))
+                           if cfg.n_classes else None)
+        self.reset_parameters()
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """ids (B, T) → hidden states (B, T, d)."""
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        rope, bias = self._attention_positions(pos, pos)
+        x = self.embed(ids, pos, token_type_ids)
+        mask = padding_mask(attention_mask) if attention_mask is not None else None
+        return self.encoder(x, mask, rope=rope, bias=bias)
+
+    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, d) → (B, d) by ``config.pooling``: the first ([CLS]) token, the mean over real
+        tokens (padding excluded from the average), or the last real token."""
+        how = self.config.pooling
+        if how == "cls":
+            pooled = hidden[:, 0]
+        elif how == "mean":
+            if attention_mask is None:
+                pooled = hidden.mean(1)
+            else:
+                m = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
+                pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        else:
+            last = (attention_mask.long().sum(1) - 1 if attention_mask is not None
+                    else torch.full((hidden.shape[0],), hidden.shape[1] - 1, device=hidden.device))
+            pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        if self.pooler is not None:
+            pooled = torch.tanh(self.pooler(pooled))
+        return pooled
+
+    def classify(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """→ class logits (B, n_classes)."""
+        if self.classifier is None:
+            raise ValueError("this model has no classification head (config.n_classes=0)")
+        return self.classifier(self.pool(self(ids, attention_mask, token_type_ids), attention_mask))
+
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+MODEL_CLASSES = {"encoder-decoder": EncoderDecoder, "decoder-only": DecoderOnly, "encoder-only": EncoderOnly}
+
+
+def build_model(cfg: TransformerConfig) -> TransformerBase:
+    """The model class for the config's family, freshly initialised."""
+    return MODEL_CLASSES[cfg.family](cfg)

@@ -1,0 +1,125 @@
+"""One test for each classic implementation pitfall (shared/CONCEPTS.md) and the paper's sizes."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab import TransformerConfig, build_model, get_preset
+from attnlab.model import (LearnedPositionalEmbedding, MultiHeadAttention, SinusoidalPositionalEncoding,
+                           TokenEmbedding, causal_mask, sinusoidal_table)
+
+
+def tiny_mt(**kw):
+    base = dict(vocab_size=60, d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,
+                dropout=0.0)
+    return build_model(TransformerConfig(**{**base, **kw})).eval()
+
+
+def test_causal_mask_is_the_lower_triangle():
+    m = causal_mask(4)[0, 0]
+    assert torch.equal(m, torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool))
+    # With a KV cache: the last query row sees all keys.
+    assert causal_mask(1, 5)[0, 0].all()
+    # And the model really uses it: decoder self-attention weights above the diagonal are zero.
+    model = tiny_mt()
+    attn = model.decoder.layers[0].self_attn
+    attn.record_weights = True
+    model(torch.randint(4, 60, (1, 5)), torch.randint(4, 60, (1, 6)))
+    w = attn.last_weights[0]
+    lower = torch.ones_like(w, dtype=torch.bool).tril()
+    assert (w[~lower] == 0).all() and (w[lower] > 0).all()
+
+
+def test_heads_are_split_and_merged_correctly():
+    """Against a per-head loop (the slow, obviously-correct form). A `view` after `transpose`
+    without `contiguous()` fails or scrambles heads; this catches both."""
+    torch.manual_seed(0)
+    d, h = 24, 3
+    attn = MultiHeadAttention(d, h).eval()
+    x = torch.randn(2, 5, d)
+    Wq, Wk, Wv = attn.qkv_proj.weight.split(d)
+    bq, bk, bv = attn.qkv_proj.bias.split(d)
+    heads = []
+    for i in range(h):
+        s = slice(i * d // h, (i + 1) * d // h)
+        q, k, v = x @ Wq[s].T + bq[s], x @ Wk[s].T + bk[s], x @ Wv[s].T + bv[s]
+        heads.append(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // h), -1) @ v)
+    expected = attn.out_proj(torch.cat(heads, -1))
+    assert torch.allclose(attn(x), expected, atol=1e-6)
+
+
+def test_padding_does_not_leak_into_attention():
+    model = tiny_mt()
+    src = torch.randint(4, 60, (1, 5))
+    tgt = torch.randint(4, 60, (1, 4))
+    alone = model(src, tgt)
+    for filler in (0, 17):  # whatever the padding contains, real positions are unchanged
+        padded = torch.cat([src, torch.full((1, 3), filler)], 1)
+        mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+        assert torch.allclose(model(padded, tgt, mask), alone, atol=1e-5)
+
+
+def test_cross_attention_takes_keys_and_values_from_the_encoder():
+    model = tiny_mt()
+    src, tgt = torch.randint(4, 60, (2, 6)), torch.randint(4, 60, (2, 5))
+    seen = []
+    model.decoder.layers[1].cross_attn.kv_proj.register_forward_hook(lambda m, a, o: seen.append(a[0]))
+    model(src, tgt)
+    assert torch.equal(seen[0], model.encode(src))
+    # and the queries come from the decoder: changing the source changes the output
+    assert not torch.allclose(model(src, tgt), model(torch.randint(4, 60, (2, 6)), tgt))
+
+
+def test_embedding_is_scaled_by_sqrt_d_model():
+    emb = TokenEmbedding(10, 64)
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.allclose(emb(ids), F.embedding(ids, emb.weight) * 8.0)
+    plain = TokenEmbedding(10, 64, scale=False)
+    assert torch.allclose(plain(ids), F.embedding(ids, plain.weight))
+
+
+@pytest.mark.parametrize("d", [8, 512])
+def test_sinusoidal_formula(d):
+    T = 600  # past the cached table: any length works
+    pe = SinusoidalPositionalEncoding(d)(torch.arange(T))
+    for pos in (0, 1, 7, 599):
+        for i in range(0, d // 2, max(1, d // 16)):
+            assert math.isclose(pe[pos, 2 * i].item(), math.sin(pos / 10000 ** (2 * i / d)), abs_tol=2e-5)
+            assert math.isclose(pe[pos, 2 * i + 1].item(), math.cos(pos / 10000 ** (2 * i / d)), abs_tol=2e-5)
+    # The "split" layout (fairseq/Marian) is the same features, sines first.
+    split = sinusoidal_table(torch.arange(T), d, "split")
+    assert torch.allclose(split[:, : d // 2], pe[:, 0::2]) and torch.allclose(split[:, d // 2:], pe[:, 1::2])
+    # PE(pos + k) is a linear function (a rotation per frequency) of PE(pos).
+    k = 5
+    w = torch.exp(torch.arange(0, d, 2) * (-math.log(10000.0) / d))
+    s, c = pe[:, 0::2], pe[:, 1::2]
+    assert torch.allclose(s[k:], s[:-k] * torch.cos(k * w) + c[:-k] * torch.sin(k * w), atol=1e-4)
+
+
+def test_learned_positions_have_a_clear_limit():
+    table = LearnedPositionalEmbedding(8, 4)
+    table(torch.arange(8))
+    with pytest.raises(ValueError, match="position 8 is past the learned position table"):
+        table(torch.arange(9))
+
+
+def test_paper_base_parameter_count():
+    d, ff, V, N = 512, 2048, 37000, 6
+    attention = 4 * (d * d + d)  # W_Q, W_K, W_V, W_O with biases
+    ffn = d * ff + ff + ff * d + d
+    norm = 2 * d
+    encoder_layer = attention + ffn + 2 * norm
+    decoder_layer = 2 * attention + ffn + 3 * norm
+    embedding = V * d  # one matrix: source, target and pre-softmax (joint vocabulary, tied)
+    expected = N * encoder_layer + N * decoder_layer + embedding
+    assert expected == 63_082_496
+    assert build_model(get_preset("paper-base")).num_parameters() == expected
+
+
+def test_tying_shares_one_parameter():
+    model = build_model(get_preset("mt-tiny"))
+    assert model.lm_head.weight is model.src_embed.token.weight is model.tgt_embed.token.weight
+    untied = build_model(get_preset("mt-tiny", tie_output=False, share_embeddings=False, tgt_vocab_size=500))
+    assert untied.lm_head.weight is not untied.tgt_embed.token.weight
+    assert untied.lm_head.weight.shape == (500, 64)
