@@ -1,0 +1,1 @@
+"""Bridges to other code bases (Hugging Face). Optional dependencies are imported lazily."""
