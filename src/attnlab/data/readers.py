@@ -1,0 +1,109 @@
+"""Readers for parallel text. Every error names the file and line; nothing is silently dropped
+(overlong pairs are filtered with a count)."""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+
+class DataError(ValueError):
+    """Bad input data; the message names file and line."""
+
+
+def open_text_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, line without newline) of a UTF-8 text file, plain or .gz."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid UTF-8 at byte {e.start} "
+                                f"({raw[max(0, e.start - 10): e.start + 10]!r})") from None
+            yield lineno, line.rstrip("\r\n")
+
+
+@dataclass
+class Pairs:
+    src: list[str]
+    tgt: list[str]
+    source: str  # description for messages
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def read_tsv_pairs(path: str | Path, src_col: int = 0, tgt_col: int = 1, reverse: bool = False,
+                   limit: int | None = None) -> Pairs:
+    """``src<TAB>tgt[<TAB>...]`` lines (e.g. Tatoeba's en, zh, attribution). ``reverse`` swaps
+    the direction (translate column tgt_col → src_col)."""
+    src, tgt = [], []
+    need = max(src_col, tgt_col) + 1
+    for lineno, line in open_text_lines(path):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) < need:
+            raise DataError(f"{path}:{lineno}: expected at least {need} TAB-separated fields "
+                            f"(columns {src_col} and {tgt_col}), found {len(fields)}: {line[:80]!r}")
+        s, t = fields[src_col].strip(), fields[tgt_col].strip()
+        if not s or not t:
+            raise DataError(f"{path}:{lineno}: empty {'source' if not s else 'target'} field")
+        src.append(s)
+        tgt.append(t)
+        if limit and len(src) >= limit:
+            break
+    if reverse:
+        src, tgt = tgt, src
+    if not src:
+        raise DataError(f"{path}: no sentence pairs found")
+    return Pairs(src, tgt, str(path))
+
+
+def read_parallel_files(src_path: str | Path, tgt_path: str | Path, limit: int | None = None) -> Pairs:
+    """Two aligned files, one sentence per line (e.g. multi30k train.de.gz + train.en.gz)."""
+    src, tgt = [], []
+    a, b = open_text_lines(src_path), open_text_lines(tgt_path)
+    while True:
+        x, y = next(a, None), next(b, None)
+        if x is None and y is None:
+            break
+        if x is None or y is None:
+            shorter, longer = (src_path, tgt_path) if x is None else (tgt_path, src_path)
+            n = (y or x)[0]
+            raise DataError(f"misaligned files: {shorter} ends before line {n} of {longer}")
+        if not x[1].strip() or not y[1].strip():
+            which = src_path if not x[1].strip() else tgt_path
+            raise DataError(f"{which}:{x[0]}: empty line (files must be aligned line by line)")
+        src.append(x[1].strip())
+        tgt.append(y[1].strip())
+        if limit and len(src) >= limit:
+            break
+    if not src:
+        raise DataError(f"{src_path}: no sentence pairs found")
+    return Pairs(src, tgt, f"{src_path} + {tgt_path}")
+
+
+def read_pairs(spec: str, src_col: int = 0, tgt_col: int = 1, reverse: bool = False,
+               limit: int | None = None) -> Pairs:
+    """A TSV file, or two aligned files written ``SRC_FILE,TGT_FILE``."""
+    if "," in spec and not Path(spec).exists():
+        s, t = spec.split(",", 1)
+        return read_parallel_files(s, t, limit)
+    return read_tsv_pairs(spec, src_col, tgt_col, reverse, limit)
+
+
+def to_simplified(texts: list[str]) -> list[str]:
+    """Traditional → Simplified Chinese (OpenCC t2s); needs the ``attnlab[zh]`` extra."""
+    try:
+        import opencc
+    except ImportError:
+        raise ImportError("script normalisation needs OpenCC: pip install 'attnlab[zh]'") from None
+    conv = opencc.OpenCC("t2s")
+    return [conv.convert(t) for t in texts]

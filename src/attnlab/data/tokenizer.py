@@ -1,0 +1,88 @@
+"""Subword tokenizers (BPE with the `tokenizers` library), saved as ``tokenizer.json``.
+
+The pre-tokenizer is SentencePiece's "metaspace" scheme: spaces become "▁" and are part of the
+tokens, so text without spaces (Chinese) is handled the same way as English, and decoding restores
+the exact text (needed for honest BLEU). Unseen characters fall back to UTF-8 byte tokens instead
+of <unk>.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3 = config pad/bos/eos/unk
+
+
+class Tokenizer:
+    """A thin wrapper over ``tokenizers.Tokenizer`` with BOS/EOS handling and batch decode."""
+
+    def __init__(self, tk):
+        self.tk = tk
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (tk.token_to_id(t) for t in SPECIALS)
+        if None in (self.pad_id, self.bos_id, self.eos_id, self.unk_id):
+            raise ValueError(f"tokenizer lacks one of the special tokens {SPECIALS}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size()
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.tk.encode(text).ids
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_batch(self, texts: list[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        b, e = [self.bos_id] if bos else [], [self.eos_id] if eos else []
+        return [b + enc.ids + e for enc in self.tk.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [i for i in ids if i not in (self.pad_id, self.bos_id)]
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        # The byte-fallback tokens <0xNN> are registered as special (so BPE never merges them) but
+        # must be decoded, so specials are not skipped here; pad/BOS/EOS were removed above.
+        return self.tk.decode(ids, skip_special_tokens=False).strip()
+
+    def tokens(self, text: str) -> list[str]:
+        return self.tk.encode(text).tokens
+
+    def id_to_token(self, i: int) -> str:
+        return self.tk.id_to_token(i)
+
+    def save(self, path: str | Path) -> None:
+        self.tk.save(str(path))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        from tokenizers import Tokenizer as TK
+        return cls(TK.from_file(str(path)))
+
+    @classmethod
+    def from_str(cls, text: str) -> "Tokenizer":
+        from tokenizers import Tokenizer as TK
+        return cls(TK.from_str(text))
+
+    def to_str(self) -> str:
+        return self.tk.to_str()
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+    """BPE over the texts (training split only) with metaspace pre-tokenisation and byte fallback."""
+    from tokenizers import Tokenizer as TK
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+    tk = TK(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tk.normalizer = normalizers.NFC()  # canonical composition only: keeps full-width punctuation
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tk.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(replacement="▁",
+                                                                                prepend_scheme="always")])
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=SPECIALS + byte_tokens, show_progress=False)
+    tk.train_from_iterator(texts, trainer)
+    return Tokenizer(tk)
+
+
+def tokenizer_vocab_sizes(path: str | Path) -> int:
+    return len(json.loads(Path(path).read_text(encoding="utf-8"))["model"]["vocab"])

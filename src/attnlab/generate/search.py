@@ -1,0 +1,349 @@
+"""Autoregressive generation for every family: greedy, sampling, beam search — all on the KV cache.
+
+One *stepper* per family hides how a model turns "the tokens so far" into next-token logits
+(encoder-decoder: encode once, decoder steps with self- and cross-attention caches; decoder-only:
+prefill the left-padded prompt, then one token per step). The search algorithms only see
+``stepper.step(tokens) -> logits`` and ``stepper.select(rows)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..model.transformer import DecoderOnly, EncoderDecoder
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int | None = None  # None: source length + 50 (translation), 128 (LM)
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    num_beams: int = 1
+    length_penalty: float = 0.6  # GNMT α; the paper uses 0.6 with beam 4
+    early_stopping: bool = True
+    num_return_sequences: int = 1
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams={self.num_beams} must be >= 1")
+        if self.num_return_sequences > self.num_beams and not self.do_sample:
+            raise ValueError(f"num_return_sequences={self.num_return_sequences} > num_beams={self.num_beams}")
+        if self.temperature <= 0 and self.do_sample:
+            raise ValueError(f"temperature={self.temperature} must be > 0 when sampling")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]
+    score: float  # sum of log-probabilities (beam: divided by the length penalty)
+    logprob: float = 0.0
+
+
+@dataclass
+class GenerationOutput:
+    sequences: list[list[int]]  # best hypothesis per input (generated tokens only, no EOS)
+    nbest: list[list[Hypothesis]] = field(default_factory=list)
+
+
+# -- steppers ---------------------------------------------------------------------------------------
+
+
+class Seq2SeqStepper:
+    """Encoder-decoder: the encoder runs once; cross-attention K/V are computed at the first step
+    and cached; each step feeds only the newest target token."""
+
+    def __init__(self, model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor | None,
+                 expand: int = 1):
+        memory = model.encode(src, src_mask)
+        if expand > 1:  # beams: one copy of the encoder output at the start, never per step
+            memory = memory.repeat_interleave(expand, 0)
+            src_mask = src_mask.repeat_interleave(expand, 0) if src_mask is not None else None
+        self.model, self.memory, self.src_mask = model, memory, src_mask
+        self.cache = model.new_cache()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, 1) → next-token logits (B, V)."""
+        return self.model.decode(tokens, self.memory, self.src_mask, cache=self.cache, last_only=True).float()
+
+    def select(self, rows: torch.Tensor, within_groups: bool = False) -> None:
+        self.cache.reorder(rows, cross=not within_groups)
+        if not within_groups:
+            self.memory = self.memory.index_select(0, rows)
+            self.src_mask = self.src_mask.index_select(0, rows) if self.src_mask is not None else None
+
+
+class DecoderOnlyStepper:
+    """Decoder-only: the (left-padded) prompt is prefilled in one pass; then one token per step.
+    The attention mask grows with the sequence so left padding stays invisible."""
+
+    def __init__(self, model: DecoderOnly, prompt: torch.Tensor, prompt_mask: torch.Tensor | None,
+                 expand: int = 1):
+        if expand > 1:
+            prompt = prompt.repeat_interleave(expand, 0)
+            prompt_mask = prompt_mask.repeat_interleave(expand, 0) if prompt_mask is not None else None
+        self.model, self.prompt = model, prompt
+        self.mask = prompt_mask if prompt_mask is not None and not prompt_mask.all() else None
+        self.cache = model.new_cache()
+        self.first = True
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            self.first = False
+            return self.model(self.prompt, self.mask, cache=self.cache, last_only=True).float()
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
+        return self.model(tokens, self.mask, cache=self.cache, last_only=True).float()
+
+    def select(self, rows: torch.Tensor, within_groups: bool = False) -> None:
+        self.cache.reorder(rows)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, rows)
+
+
+# -- logits processing ------------------------------------------------------------------------------
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty: logits of tokens already present are divided (if > 0) or multiplied by it."""
+    picked = logits.gather(1, history)
+    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits.scatter(1, history, picked)
+
+
+def banned_ngram_tokens(seqs: list[list[int]], n: int) -> list[list[int]]:
+    """Tokens that would repeat an n-gram already in each sequence."""
+    out = []
+    for seq in seqs:
+        if len(seq) < n:
+            out.append([])
+            continue
+        prefix = tuple(seq[len(seq) - n + 1:]) if n > 1 else ()
+        out.append([seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i: i + n - 1]) == prefix])
+    return out
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set with mass >= p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    return logits
+
+
+class _Processor:
+    """min length, repetition penalty and no-repeat-n-gram. Histories are only built when a
+    penalty needs them, so plain greedy/beam decoding pays nothing per step."""
+
+    def __init__(self, cfg: GenerationConfig, eos_id: int, prompts: list[list[int]] | None):
+        self.cfg, self.eos_id = cfg, eos_id
+        self.prompts = prompts  # decoder-only: penalties also see the prompt
+        self.needs_history = cfg.repetition_penalty != 1.0 or cfg.no_repeat_ngram_size > 0
+
+    def __call__(self, logits: torch.Tensor, generated, step: int) -> torch.Tensor:
+        cfg = self.cfg
+        if step < cfg.min_new_tokens:
+            logits[:, self.eos_id] = float("-inf")
+        if not self.needs_history:
+            return logits
+        generated = generated() if callable(generated) else generated
+        hist = [(self.prompts[i] if self.prompts else []) + g for i, g in enumerate(generated)]
+        if cfg.repetition_penalty != 1.0:
+            longest = max(len(h) for h in hist)
+            if longest:
+                # pad each history by repeating a token it already has (a no-op for the penalty)
+                idx = torch.tensor([h + [h[-1]] * (longest - len(h)) if h else [0] * longest for h in hist],
+                                   device=logits.device)
+                penalised = apply_repetition_penalty(logits, idx, cfg.repetition_penalty)
+                has = torch.tensor([bool(h) for h in hist], device=logits.device)[:, None]
+                logits = torch.where(has, penalised, logits)
+        if cfg.no_repeat_ngram_size > 0:
+            for row, banned in enumerate(banned_ngram_tokens(hist, cfg.no_repeat_ngram_size)):
+                if banned:
+                    logits[row, banned] = float("-inf")
+        return logits
+
+
+# -- greedy and sampling ------------------------------------------------------------------------------
+
+
+def stream_tokens(stepper, batch_size: int, start: torch.Tensor | None, cfg: GenerationConfig,
+                  eos_id: int, max_new_tokens: int, prompts: list[list[int]] | None = None,
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Greedy or sampled decoding; yields (row indices, new tokens) after every step.
+
+    Finished rows (EOS) leave the batch: their cache rows are dropped so they stop costing work.
+    """
+    device = start.device if start is not None else stepper.prompt.device
+    gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.seed is not None else None
+    process = _Processor(cfg, eos_id, prompts)
+    active = torch.arange(batch_size, device=device)  # original row of each live row
+    generated: list[list[int]] = [[] for _ in range(batch_size)]
+    tokens = start
+    for step in range(max_new_tokens):
+        logits = stepper.step(tokens)  # (live, V)
+        if process.needs_history and prompts is not None:
+            process.prompts = [prompts[i] for i in active.tolist()]
+        logits = process(logits, lambda: [generated[i] for i in active.tolist()], step)
+        if cfg.do_sample:
+            logits = top_k_top_p(logits / cfg.temperature, cfg.top_k, cfg.top_p)
+            nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(1)
+        else:
+            nxt = logits.argmax(-1)
+        for r, t in zip(active.tolist(), nxt.tolist()):
+            generated[r].append(t)
+        yield active, nxt
+        done = nxt == eos_id
+        if done.all():
+            return
+        if done.any():
+            keep = (~done).nonzero().squeeze(1)
+            stepper.select(keep)
+            active, nxt = active[keep], nxt[keep]
+        tokens = nxt[:, None]
+
+
+# -- beam search --------------------------------------------------------------------------------------
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT (Wu et al. 2016): ((5 + |Y|) / 6)^α. α = 0 is the plain sum of log-probabilities."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationConfig, eos_id: int,
+                max_new_tokens: int, prompts: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+    """Batched beam search (B·K rows). Each step takes the 2K best continuations of every input,
+    finishes those that end in EOS, and keeps the K best others alive. Returns, per input, the
+    finished hypotheses sorted by length-normalised score (best first)."""
+    K, B, device = cfg.num_beams, batch_size, start.device
+    process = _Processor(cfg, eos_id, [p for p in prompts for _ in range(K)] if prompts else None)
+    scores = torch.full((B, K), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # all beams start identical: only one may expand at the first step
+    seqs = torch.zeros(B * K, 0, dtype=torch.long, device=device)
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    done = [False] * B
+    tokens = start
+    for step in range(max_new_tokens):
+        logits = stepper.step(tokens)  # (B·K, V)
+        logits = process(logits, seqs.tolist, step)
+        logp = logits.log_softmax(-1)
+        V = logp.shape[-1]
+        cand = (scores.view(B * K, 1) + logp).view(B, K * V)
+        top, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
+        beam, tok = idx // V, idx % V
+        is_eos = tok == eos_id
+        last = step == max_new_tokens - 1
+        # Finish EOS candidates ranked within the top K; at the length limit, the top K of all.
+        for b, j in (is_eos[:, :K] if not last else torch.ones_like(is_eos[:, :K])).nonzero().tolist():
+            if done[b] or top[b, j] == float("-inf"):
+                continue
+            hyp = seqs[b * K + beam[b, j].item()].tolist()
+            eos = bool(is_eos[b, j])
+            if not eos:
+                hyp.append(tok[b, j].item())
+            lp = length_penalty(len(hyp) + eos, cfg.length_penalty)
+            finished[b].append(Hypothesis(hyp, top[b, j].item() / lp, top[b, j].item()))
+        # K best non-EOS candidates stay alive (rank order preserved).
+        rank = torch.arange(2 * K, device=device).expand(B, 2 * K) + is_eos.long() * (2 * K)
+        keep = rank.topk(K, dim=1, largest=False).indices  # (B, K)
+        new_scores = top.gather(1, keep).masked_fill(is_eos.gather(1, keep), float("-inf"))
+        rows = (beam.gather(1, keep) + torch.arange(B, device=device)[:, None] * K).view(-1)
+        new_tok = tok.gather(1, keep).view(-1)
+        for b in range(B):
+            if done[b]:
+                continue
+            if len(finished[b]) >= K:
+                best_alive = new_scores[b].max().item()
+                worst = min(h.score for h in sorted(finished[b], key=lambda h: -h.score)[:K])
+                # With α > 0 a longer hypothesis can still gain; bound its best possible score.
+                bound = best_alive / length_penalty(max_new_tokens if cfg.length_penalty > 0 else step + 1,
+                                                    cfg.length_penalty) if best_alive < 0 else best_alive
+                if cfg.early_stopping or bound <= worst:
+                    done[b] = True
+        if all(done) or last:
+            break
+        scores = new_scores.masked_fill(torch.tensor(done, device=device)[:, None], float("-inf"))
+        seqs = torch.cat([seqs.index_select(0, rows), new_tok[:, None]], 1)
+        stepper.select(rows, within_groups=True)
+        tokens = new_tok[:, None]
+    for b in range(B):
+        if len(finished[b]) < K:  # out of length: alive beams count as finished
+            for k in range(K):
+                row = b * K + k
+                if scores[b, k] > float("-inf"):
+                    hyp = seqs[row].tolist()
+                    finished[b].append(Hypothesis(hyp, scores[b, k].item() / length_penalty(len(hyp), cfg.length_penalty),
+                                                  scores[b, k].item()))
+        finished[b].sort(key=lambda h: -h.score)
+    return finished
+
+
+# -- entry point --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate(model, inputs: torch.Tensor, input_mask: torch.Tensor | None = None,
+             config: GenerationConfig | None = None, **overrides) -> GenerationOutput:
+    """Generate for a batch.
+
+    * encoder-decoder: ``inputs`` are source ids (B, S) with ``input_mask`` (True = token);
+      the decoder starts from BOS. Default max length: source length + 50 (the paper).
+    * decoder-only: ``inputs`` are **left-padded** prompts (B, T) with ``input_mask``.
+    Returns the generated tokens (without EOS) per input, and the n-best lists for beam search.
+    """
+    cfg = config or GenerationConfig()
+    if overrides:
+        cfg = GenerationConfig(**{**cfg.__dict__, **overrides})
+    cfg.validate()
+    was_training = model.training
+    model.eval()
+    mcfg = model.config
+    B = inputs.shape[0]
+    K = cfg.num_beams if not cfg.do_sample else 1
+    if isinstance(model, EncoderDecoder):
+        max_new = cfg.max_new_tokens or (int(input_mask.sum(1).max()) if input_mask is not None
+                                         else inputs.shape[1]) + 50
+        stepper = Seq2SeqStepper(model, inputs, input_mask, expand=K)
+        start = torch.full((B * K, 1), mcfg.bos_id, dtype=torch.long, device=inputs.device)
+        prompts = None
+    elif isinstance(model, DecoderOnly):
+        max_new = cfg.max_new_tokens or 128
+        if mcfg.positions == "learned":
+            max_new = min(max_new, mcfg.max_len - inputs.shape[1])
+        stepper = DecoderOnlyStepper(model, inputs, input_mask, expand=K)
+        start = None if K == 1 else torch.zeros(B * K, 1, dtype=torch.long, device=inputs.device)
+        mask = input_mask if input_mask is not None else torch.ones_like(inputs, dtype=torch.bool)
+        prompts = [row[m].tolist() for row, m in zip(inputs, mask.bool())]
+    else:
+        raise TypeError(f"generation needs an EncoderDecoder or DecoderOnly model, got {type(model).__name__}")
+    try:
+        if K == 1:
+            seqs = [[] for _ in range(B)]
+            for rows, toks in stream_tokens(stepper, B, start, cfg, mcfg.eos_id, max_new, prompts):
+                for r, t in zip(rows.tolist(), toks.tolist()):
+                    seqs[r].append(t)
+            seqs = [s[: s.index(mcfg.eos_id)] if mcfg.eos_id in s else s for s in seqs]
+            return GenerationOutput(seqs, [[Hypothesis(s, 0.0)] for s in seqs])
+        nbest = beam_search(stepper, B, start, cfg, mcfg.eos_id, max_new, prompts)
+        nbest = [h[: cfg.num_return_sequences] if cfg.num_return_sequences > 1 else h for h in nbest]
+        return GenerationOutput([h[0].tokens for h in nbest], nbest)
+    finally:
+        model.train(was_training)

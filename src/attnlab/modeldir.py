@@ -1,0 +1,91 @@
+"""A trained model is a directory: config.json, model.safetensors, tokenizer.json (+
+tgt_tokenizer.json when source and target vocabularies are separate), training_args.json,
+metrics.jsonl, and checkpoint_last.pt (everything needed to resume). Every file is written
+atomically (temporary file + rename), so killing a process never leaves a corrupt model."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .config import TransformerConfig
+from .model import build_model
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)`` then rename over ``path`` (atomic on POSIX and Windows)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def save_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """safetensors refuses shared tensors: tied weights are stored once (the tie is in config)."""
+    from safetensors.torch import save_file
+    seen, state = set(), {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        state[name] = t.detach().contiguous().cpu()
+    atomic_write(path, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    from safetensors.torch import load_file
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # a truncated or foreign file
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    missing = [m for m in missing if m not in tied]
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match config.json (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+
+
+def save_model_dir(directory: str | Path, model, tokenizer=None, tgt_tokenizer=None,
+                   training_args: dict[str, Any] | None = None, weights_name: str = "model.safetensors") -> None:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(d / "config.json", model.config.to_json())
+    save_weights(model, d / weights_name)
+    if tokenizer is not None:
+        atomic_write_text(d / "tokenizer.json", tokenizer.to_str())
+    if tgt_tokenizer is not None:
+        atomic_write_text(d / "tgt_tokenizer.json", tgt_tokenizer.to_str())
+    if training_args is not None:
+        atomic_write_text(d / "training_args.json", json.dumps(training_args, indent=2, default=str) + "\n")
+
+
+def load(directory: str | Path, device: str | torch.device = "cpu"):
+    """(model, tokenizer, target tokenizer) from a model directory. The target tokenizer is the
+    source one when the vocabulary is joint; tokenizers are None if the directory has none."""
+    from .data.tokenizer import Tokenizer
+    d = Path(directory)
+    if not (d / "config.json").exists():
+        raise FileNotFoundError(f"{d}: not a model directory (no config.json)")
+    model = build_model(TransformerConfig.from_json(d / "config.json"))
+    load_weights(model, d / "model.safetensors")
+    model.to(device).eval()
+    tok = Tokenizer.load(d / "tokenizer.json") if (d / "tokenizer.json").exists() else None
+    tgt = Tokenizer.load(d / "tgt_tokenizer.json") if (d / "tgt_tokenizer.json").exists() else tok
+    return model, tok, tgt

@@ -1,0 +1,171 @@
+"""Generation: KV cache equals no cache, beam search properties, batching, sampling."""
+import math
+
+import pytest
+import torch
+
+from attnlab import TransformerConfig, build_model
+from attnlab.generate import GenerationConfig, generate
+from attnlab.generate.search import beam_search, length_penalty
+
+POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "none"]
+
+
+def model_for(family, positions, **kw):
+    cfg = dict(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, dropout=0.0, positions=positions,
+               max_len=64, norm_placement="pre", n_encoder_layers=2, n_decoder_layers=2)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return build_model(TransformerConfig(family=family, **cfg)).eval()
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_seq2seq_cache_matches_full_forward_with_padding(positions):
+    model = model_for("encoder-decoder", positions)
+    src = torch.randint(4, 50, (3, 7))
+    src_mask = torch.arange(7)[None] < torch.tensor([7, 5, 3])[:, None]
+    tgt = torch.randint(4, 50, (3, 9))
+    with torch.no_grad():
+        full = model(src, tgt, src_mask)
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        for t in range(9):
+            step = model.decode(tgt[:, t: t + 1], memory, src_mask, cache=cache, last_only=True)
+            assert (step - full[:, t]).abs().max() <= 1e-5, (positions, t)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_decoder_only_cache_matches_full_forward_with_left_padding(positions):
+    model = model_for("decoder-only", positions)
+    T = 10
+    ids = torch.randint(4, 50, (3, T))
+    mask = torch.ones(3, T, dtype=torch.bool)
+    mask[1, :3] = False  # left padding
+    mask[2, :6] = False
+    with torch.no_grad():
+        full = model(ids, mask)
+        cache = model.new_cache()
+        prefill = 4
+        out = model(ids[:, :prefill], mask[:, :prefill], cache=cache)
+        real = mask[:, :prefill]
+        assert (out - full[:, :prefill])[real].abs().max() <= 1e-5
+        for t in range(prefill, T):
+            step = model(ids[:, t: t + 1], mask[:, : t + 1], cache=cache, last_only=True)
+            assert (step - full[:, t]).abs().max() <= 1e-5, (positions, t)
+        # A left-padded row equals its prompt alone.
+        alone = model(ids[2:3, 6:])
+        assert (alone[0] - full[2, 6:]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "rope"])
+def test_cache_follows_beam_reordering(positions):
+    model = model_for("encoder-decoder", positions)
+    src = torch.randint(4, 50, (2, 6)).repeat_interleave(2, 0)  # 2 sources × 2 beams
+    tgt = torch.randint(4, 50, (4, 5))
+    with torch.no_grad():
+        memory = model.encode(src)
+        cache = model.new_cache()
+        for t in range(3):
+            model.decode(tgt[:, t: t + 1], memory, cache=cache, last_only=True)
+        perm = torch.tensor([1, 1, 3, 2])  # beams swap within each source's group
+        cache.reorder(perm)
+        tgt2 = tgt[perm]
+        step = model.decode(tgt2[:, 3:4], memory, cache=cache, last_only=True)
+        full = model(src, torch.cat([tgt2[:, :3], tgt2[:, 3:4]], 1))
+        assert (step - full[:, 3]).abs().max() <= 1e-5
+
+
+def test_beam_one_equals_greedy_and_nbest_is_sorted():
+    model = model_for("encoder-decoder", "sinusoidal")
+    src = torch.randint(4, 50, (4, 6))
+    greedy = generate(model, src, max_new_tokens=12)
+    beam1 = generate(model, src, max_new_tokens=12, num_beams=1)
+    assert greedy.sequences == beam1.sequences
+    beam = generate(model, src, max_new_tokens=12, num_beams=4, num_return_sequences=4)
+    for hyps in beam.nbest:
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True) and len(hyps) == 4
+
+
+class ToyStepper:
+    """A crafted model over tokens {0: EOS, 1: a, 2: b}: greedy takes 'a' (p=0.6) and then faces a
+    flat distribution; the best sequence is 'b EOS' (p=0.4)."""
+
+    def __init__(self, rows):
+        self.history = [[] for _ in range(rows)]
+        self.started = False
+
+    def step(self, tokens):
+        if self.started:  # tokens are the ones just chosen for each row
+            for h, t in zip(self.history, tokens.view(-1).tolist()):
+                h.append(t)
+        self.started = True
+        table = []
+        for h in self.history:
+            p = [0.0, 0.6, 0.4] if not h else [1.0, 0.0, 0.0] if h[-1] == 2 else [0.34, 0.33, 0.33]
+            table.append([math.log(x) if x > 0 else -1e9 for x in p])
+        return torch.tensor(table)
+
+    def select(self, rows, within_groups=False):
+        self.history = [list(self.history[r]) for r in rows.tolist()]
+
+
+def test_beam_search_finds_the_better_sequence_than_greedy():
+    K = 2
+    cfg = GenerationConfig(num_beams=K, length_penalty=0.0)
+    hyps = beam_search(ToyStepper(K), 1, torch.zeros(K, 1, dtype=torch.long), cfg, eos_id=0, max_new_tokens=5)[0]
+    assert hyps[0].tokens == [2]  # 'b' then EOS: p = 0.4
+    assert math.isclose(hyps[0].score, math.log(0.4), rel_tol=1e-5)
+    # greedy takes 'a' first (0.6) and ends with p <= 0.6 * 0.34 = 0.204
+    greedy = ToyStepper(1)
+    first = greedy.step(None).argmax(-1)
+    assert first.item() == 1 and greedy.step(first[:, None]).exp().max() < 0.4 / 0.6
+
+
+@pytest.mark.parametrize("family", ["encoder-decoder", "decoder-only"])
+@pytest.mark.parametrize("beams", [1, 3])
+def test_batch_equals_one_at_a_time(family, beams):
+    model = model_for(family, "rope" if family == "decoder-only" else "sinusoidal")
+    lengths = [6, 3, 5]
+    seqs = [torch.randint(4, 50, (n,)) for n in lengths]
+    T = max(lengths)
+    batch = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if family == "encoder-decoder":  # right padding for sources
+            batch[i, : len(s)], mask[i, : len(s)] = s, True
+        else:  # left padding for prompts
+            batch[i, T - len(s):], mask[i, T - len(s):] = s, True
+    cfg = GenerationConfig(max_new_tokens=8, num_beams=beams)
+    together = generate(model, batch, mask, cfg).sequences
+    alone = [generate(model, s[None], None, cfg).sequences[0] for s in seqs]
+    assert together == alone
+
+
+def test_sampling_is_reproducible_and_top_k_one_is_greedy():
+    model = model_for("decoder-only", "rope")
+    prompt = torch.randint(4, 50, (2, 4))
+    a = generate(model, prompt, do_sample=True, seed=7, max_new_tokens=10, temperature=1.5).sequences
+    b = generate(model, prompt, do_sample=True, seed=7, max_new_tokens=10, temperature=1.5).sequences
+    c = generate(model, prompt, do_sample=True, seed=8, max_new_tokens=10, temperature=1.5).sequences
+    assert a == b and a != c
+    top1 = generate(model, prompt, do_sample=True, top_k=1, seed=3, max_new_tokens=10).sequences
+    assert top1 == generate(model, prompt, max_new_tokens=10).sequences
+
+
+def test_no_repeat_ngram_and_min_length():
+    model = model_for("decoder-only", "rope")
+    prompt = torch.randint(4, 50, (1, 3))
+    out = generate(model, prompt, max_new_tokens=30, no_repeat_ngram_size=2).sequences[0]
+    full = prompt[0].tolist() + out
+    bigrams = list(zip(full, full[1:]))
+    assert len(bigrams) == len(set(bigrams))
+    model.config.eos_id = generate(model, prompt, max_new_tokens=1).sequences[0][0]  # the next token is EOS
+    assert generate(model, prompt, max_new_tokens=5).sequences[0] == []
+    assert len(generate(model, prompt, max_new_tokens=5, min_new_tokens=3).sequences[0]) >= 3
+
+
+def test_length_penalty_is_gnmt():
+    assert length_penalty(1, 0.6) == 1.0
+    assert math.isclose(length_penalty(7, 0.6), 2.0 ** 0.6)
+    assert length_penalty(10, 0.0) == 1.0

@@ -1,0 +1,152 @@
+"""Training end to end on a small real sample: learning, checkpoints, exact resume, DDP."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attnlab.cli import main
+from attnlab.demo import corpus_dir
+from attnlab.modeldir import atomic_write_text, load
+from attnlab.train import TrainArgs, Trainer, average_checkpoints, learning_rate
+
+TINY = ["--set", "d_model=32", "--set", "n_heads=4", "--set", "d_ff=64", "--set", "n_encoder_layers=1",
+        "--set", "n_decoder_layers=1"]
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    lines = (corpus_dir() / "dev.tsv").read_text(encoding="utf-8").splitlines()
+    (d / "train.tsv").write_text("\n".join(lines[:800]) + "\n", encoding="utf-8")
+    (d / "dev.tsv").write_text("\n".join(lines[800:900]) + "\n", encoding="utf-8")
+    return d
+
+
+def run_cli(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "attnlab", *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, **kw)
+
+
+def test_paper_schedule():
+    args = TrainArgs(warmup=4000)
+    # lr = d^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    for step in (1, 100, 3999, 4000, 10000, 100000):
+        expected = 512 ** -0.5 * min(step ** -0.5, step * 4000 ** -1.5)
+        assert math.isclose(learning_rate(step, args, 512), expected, rel_tol=1e-9)
+    cos = TrainArgs(lr=1e-3, warmup=10, schedule="cosine", min_lr=1e-5)
+    assert math.isclose(learning_rate(5, cos, 512, 0.0), 5e-4)
+    assert math.isclose(learning_rate(100, cos, 512, 1.0), 1e-5)
+
+
+def test_training_learns_and_saves_a_loadable_model(sample, tmp_path, capsys):
+    out = tmp_path / "m"
+    code = main(["train", "--train", str(sample / "train.tsv"), "--dev", str(sample / "dev.tsv"), "--out", str(out),
+                 "--preset", "mt-tiny", "--vocab-size", "300", "--max-tokens", "600", "--max-steps", "120",
+                 "--lr", "3e-3", "--warmup", "20", "--eval-every", "60", "--eval-sentences", "20",
+                 "--save-every", "40", "--no-progress", "--seed", "1", *TINY])
+    assert code == 0
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tgt_tokenizer.json",
+                 "training_args.json", "metrics.jsonl", "checkpoint_last.pt"):
+        assert (out / name).exists(), name
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    vocab = json.loads((out / "config.json").read_text())["tgt_vocab_size"]
+    assert losses[-1] < 0.75 * math.log(vocab)  # well below the uniform guess
+    dev = [r for r in rows if "dev_loss" in r]
+    assert dev[-1]["dev_loss"] < dev[0]["dev_loss"] + 1e-6 or len(dev) == 1
+    model, src_tok, tgt_tok = load(out)
+    assert model.config.family == "encoder-decoder" and tgt_tok is not src_tok
+    # CLI round trip on the trained model
+    assert main(["translate", "--model", str(out), "--text", "I am happy."]) == 0
+    assert main(["evaluate", "--model", str(out), "--data", str(sample / "dev.tsv"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) >= {"bleu", "chrf", "n"} and result["n"] == 100 and result["tokenize"] == "zh"
+    assert main(["attention", "--model", str(out), "I am happy.", "--out", str(tmp_path / "a.png")]) == 0
+    assert (tmp_path / "a.png").stat().st_size > 10_000
+    # averaging the kept checkpoints is the element-wise mean
+    files = sorted((out / "checkpoints").glob("step_*.safetensors"))
+    avg = load_file(str(average_checkpoints(out, last=2, out=tmp_path / "avg.safetensors")))
+    a, b = load_file(str(files[-2])), load_file(str(files[-1]))
+    for k in avg:
+        assert torch.allclose(avg[k], (a[k] + b[k]) / 2, atol=1e-6)
+
+
+def _train_args(sample, out, steps):
+    return ["train", "--train", str(sample / "train.tsv"), "--out", str(out), "--preset", "mt-tiny",
+            "--vocab-size", "300", "--max-tokens", "400", "--max-steps", str(steps), "--lr", "2e-3",
+            "--warmup", "10", "--save-every", "15", "--eval-every", "0", "--no-progress", "--seed", "3",
+            "--threads", "1", *TINY]
+
+
+def test_killed_run_resumes_exactly(sample, tmp_path):
+    steps = 150
+    straight = tmp_path / "straight"
+    assert run_cli(*_train_args(sample, straight, steps)).returncode == 0
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "attnlab", *_train_args(sample, killed, steps)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((killed / "checkpoints").glob("step_*"))) < 2:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up
+    proc.wait()
+    saved = torch.load(killed / "checkpoint_last.pt", weights_only=False)["step"]
+    assert 0 < saved < steps
+    res = run_cli("train", "--resume", str(killed))
+    assert res.returncode == 0, res.stderr[-2000:]
+    a = torch.load(straight / "checkpoint_last.pt", weights_only=False)
+    b = torch.load(killed / "checkpoint_last.pt", weights_only=False)
+    assert a["step"] == b["step"] == steps
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_two_processes_match_one_with_the_same_global_batch(sample, tmp_path):
+    common = ["--train", str(sample / "train.tsv"), "--preset", "mt-tiny", "--vocab-size", "300",
+              "--max-tokens", "400", "--max-steps", "12", "--lr", "2e-3", "--warmup", "5", "--save-every", "0",
+              "--eval-every", "0", "--no-progress", "--seed", "5", "--threads", "1", "--set", "dropout=0.0", *TINY]
+    one = run_cli("train", "--out", str(tmp_path / "one"), "--update-freq", "2", *common)
+    assert one.returncode == 0, one.stderr[-2000:]
+    # The tokenizer is trained once and shared, as a launcher script would do.
+    (tmp_path / "two").mkdir()
+    for f in ("tokenizer.json", "tgt_tokenizer.json"):
+        (tmp_path / "two" / f).write_bytes((tmp_path / "one" / f).read_bytes())
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29517", "-m", "attnlab", "train", "--out", str(tmp_path / "two"), *common],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = load_file(str(tmp_path / "one" / "model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "model.safetensors"))
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    target = tmp_path / "config.json"
+    atomic_write_text(target, "old")
+
+    class Boom(Exception):
+        pass
+
+    from attnlab.modeldir import atomic_write
+
+    def bad_writer(tmp):
+        Path(tmp).write_text("half-writ")
+        raise Boom
+    with pytest.raises(Boom):
+        atomic_write(target, bad_writer)
+    assert target.read_text() == "old" and len(list(tmp_path.iterdir())) == 1
+
+
+def test_empty_after_filtering_is_an_error(sample, tmp_path):
+    res = run_cli("train", "--train", str(sample / "train.tsv"), "--out", str(tmp_path / "x"), "--max-len", "1",
+                  "--vocab-size", "300", "--max-steps", "1", "--no-progress")
+    assert res.returncode == 2 and "no training pairs left after filtering by --max-len 1" in res.stderr
