@@ -1,6 +1,6 @@
 """attnlab generation vs Hugging Face MarianMTModel.generate, side by side, same weights.
 
-A random-init Marian model (d_model 256, 4 heads, 3+3 layers, d_ff 1024, vocab 8000) is built with
+Both run in fp32, then both in bf16 (weights cast). A random-init Marian model (d_model 256, 4 heads, 3+3 layers, d_ff 1024, vocab 8000) is built with
 transformers and copied into attnlab with from_hf, so both decode the *same* model. 64 sources of
 length 20; exactly 24 new tokens (min = max = 24); greedy and beam 4; sentences/s, best of N runs.
 
@@ -44,6 +44,7 @@ def main():
                                     decoder_ffn_dim=1024, max_position_embeddings=512, pad_token_id=0,
                                     eos_token_id=2, decoder_start_token_id=1, bos_token_id=1, scale_embedding=True)
     hf = transformers.MarianMTModel(cfg).eval()
+    hf.generation_config.forced_eos_token_id = None  # Marian forces token 0 at max length; not a model property
     ours = from_hf(hf).eval()
     ours.config.bos_id = cfg.decoder_start_token_id
     src = torch.randint(4, 8000, (args.batch, args.src_len))
@@ -51,7 +52,9 @@ def main():
     n = args.new_tokens
     results = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
                "batch": args.batch, "src_len": args.src_len, "new_tokens": n}
-    for beams in (1, 4):
+    for dtype, beams in ((torch.float32, 1), (torch.float32, 4), (torch.bfloat16, 1), (torch.bfloat16, 4)):
+        hf.to(dtype)
+        ours.to(dtype)
         with torch.no_grad():
             def run_hf():
                 return hf.generate(input_ids=src, attention_mask=mask, num_beams=beams, do_sample=False,
@@ -63,7 +66,7 @@ def main():
             out_hf, out_ours = run_hf(), run_ours()
             same = [list(r[1:]) for r in out_hf.tolist()] == [s for s in out_ours.sequences]
             t_hf, t_ours = best_time(run_hf, args.repeats), best_time(run_ours, args.repeats)
-        name = "greedy" if beams == 1 else f"beam{beams}"
+        name = ("greedy" if beams == 1 else f"beam{beams}") + ("_bf16" if dtype == torch.bfloat16 else "_fp32")
         results[name] = {"hf_sent_per_s": round(args.batch / t_hf, 1), "attnlab_sent_per_s": round(args.batch / t_ours, 1),
                          "speedup": round(t_hf / t_ours, 2), "identical_outputs": same}
         print(name, json.dumps(results[name]), flush=True)

@@ -67,13 +67,20 @@ class Seq2SeqStepper:
     and cached; each step feeds only the newest target token."""
 
     def __init__(self, model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor | None,
-                 expand: int = 1):
+                 expand: int = 1, capacity: int = 0):
+        if src_mask is not None and src_mask.all():
+            src_mask = None  # no padding: skip masking work at every step
         memory = model.encode(src, src_mask)
-        if expand > 1:  # beams: one copy of the encoder output at the start, never per step
-            memory = memory.repeat_interleave(expand, 0)
+        self.cache = model.new_cache(capacity)  # a static cache: sized once, never regrown
+        if expand > 1:
+            # Beams of one source share its encoder output: project cross-attention K/V once per
+            # source, then repeat them for the beams (one copy at the start, never per step).
+            for layer, (_, cross) in zip(model.decoder.layers, self.cache.layers):
+                k, v = layer.cross_attn.project_memory(memory)
+                cross.set(k.repeat_interleave(expand, 0), v.repeat_interleave(expand, 0))
+            memory = None
             src_mask = src_mask.repeat_interleave(expand, 0) if src_mask is not None else None
         self.model, self.memory, self.src_mask = model, memory, src_mask
-        self.cache = model.new_cache()
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, 1) → next-token logits (B, V)."""
@@ -81,7 +88,7 @@ class Seq2SeqStepper:
 
     def select(self, rows: torch.Tensor, within_groups: bool = False) -> None:
         self.cache.reorder(rows, cross=not within_groups)
-        if not within_groups:
+        if not within_groups and self.memory is not None:
             self.memory = self.memory.index_select(0, rows)
             self.src_mask = self.src_mask.index_select(0, rows) if self.src_mask is not None else None
 
@@ -91,13 +98,13 @@ class DecoderOnlyStepper:
     The attention mask grows with the sequence so left padding stays invisible."""
 
     def __init__(self, model: DecoderOnly, prompt: torch.Tensor, prompt_mask: torch.Tensor | None,
-                 expand: int = 1):
+                 expand: int = 1, capacity: int = 0):
         if expand > 1:
             prompt = prompt.repeat_interleave(expand, 0)
             prompt_mask = prompt_mask.repeat_interleave(expand, 0) if prompt_mask is not None else None
         self.model, self.prompt = model, prompt
         self.mask = prompt_mask if prompt_mask is not None and not prompt_mask.all() else None
-        self.cache = model.new_cache()
+        self.cache = model.new_cache(capacity)
         self.first = True
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -152,8 +159,10 @@ class _Processor:
     """min length, repetition penalty and no-repeat-n-gram. Histories are only built when a
     penalty needs them, so plain greedy/beam decoding pays nothing per step."""
 
-    def __init__(self, cfg: GenerationConfig, eos_id: int, prompts: list[list[int]] | None):
+    def __init__(self, cfg: GenerationConfig, eos_id: int, prompts: list[list[int]] | None,
+                 pad_id: int | None = None):
         self.cfg, self.eos_id = cfg, eos_id
+        self.pad_id = pad_id if pad_id != eos_id else None  # padding is never a prediction
         self.prompts = prompts  # decoder-only: penalties also see the prompt
         self.needs_history = cfg.repetition_penalty != 1.0 or cfg.no_repeat_ngram_size > 0
 
@@ -161,6 +170,8 @@ class _Processor:
         cfg = self.cfg
         if step < cfg.min_new_tokens:
             logits[:, self.eos_id] = float("-inf")
+        if self.pad_id is not None:
+            logits[:, self.pad_id] = float("-inf")
         if not self.needs_history:
             return logits
         generated = generated() if callable(generated) else generated
@@ -186,14 +197,14 @@ class _Processor:
 
 def stream_tokens(stepper, batch_size: int, start: torch.Tensor | None, cfg: GenerationConfig,
                   eos_id: int, max_new_tokens: int, prompts: list[list[int]] | None = None,
-                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                  pad_id: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Greedy or sampled decoding; yields (row indices, new tokens) after every step.
 
     Finished rows (EOS) leave the batch: their cache rows are dropped so they stop costing work.
     """
     device = start.device if start is not None else stepper.prompt.device
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.seed is not None else None
-    process = _Processor(cfg, eos_id, prompts)
+    process = _Processor(cfg, eos_id, prompts, pad_id)
     active = torch.arange(batch_size, device=device)  # original row of each live row
     generated: list[list[int]] = [[] for _ in range(batch_size)]
     tokens = start
@@ -229,12 +240,13 @@ def length_penalty(length: int, alpha: float) -> float:
 
 
 def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationConfig, eos_id: int,
-                max_new_tokens: int, prompts: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+                max_new_tokens: int, prompts: list[list[int]] | None = None,
+                pad_id: int | None = None) -> list[list[Hypothesis]]:
     """Batched beam search (B·K rows). Each step takes the 2K best continuations of every input,
     finishes those that end in EOS, and keeps the K best others alive. Returns, per input, the
     finished hypotheses sorted by length-normalised score (best first)."""
     K, B, device = cfg.num_beams, batch_size, start.device
-    process = _Processor(cfg, eos_id, [p for p in prompts for _ in range(K)] if prompts else None)
+    process = _Processor(cfg, eos_id, [p for p in prompts for _ in range(K)] if prompts else None, pad_id)
     scores = torch.full((B, K), float("-inf"), device=device)
     scores[:, 0] = 0.0  # all beams start identical: only one may expand at the first step
     seqs = torch.zeros(B * K, 0, dtype=torch.long, device=device)
@@ -321,14 +333,14 @@ def generate(model, inputs: torch.Tensor, input_mask: torch.Tensor | None = None
     if isinstance(model, EncoderDecoder):
         max_new = cfg.max_new_tokens or (int(input_mask.sum(1).max()) if input_mask is not None
                                          else inputs.shape[1]) + 50
-        stepper = Seq2SeqStepper(model, inputs, input_mask, expand=K)
+        stepper = Seq2SeqStepper(model, inputs, input_mask, expand=K, capacity=max_new + 1)
         start = torch.full((B * K, 1), mcfg.bos_id, dtype=torch.long, device=inputs.device)
         prompts = None
     elif isinstance(model, DecoderOnly):
         max_new = cfg.max_new_tokens or 128
         if mcfg.positions == "learned":
             max_new = min(max_new, mcfg.max_len - inputs.shape[1])
-        stepper = DecoderOnlyStepper(model, inputs, input_mask, expand=K)
+        stepper = DecoderOnlyStepper(model, inputs, input_mask, expand=K, capacity=inputs.shape[1] + max_new + 1)
         start = None if K == 1 else torch.zeros(B * K, 1, dtype=torch.long, device=inputs.device)
         mask = input_mask if input_mask is not None else torch.ones_like(inputs, dtype=torch.bool)
         prompts = [row[m].tolist() for row, m in zip(inputs, mask.bool())]
@@ -337,12 +349,13 @@ def generate(model, inputs: torch.Tensor, input_mask: torch.Tensor | None = None
     try:
         if K == 1:
             seqs = [[] for _ in range(B)]
-            for rows, toks in stream_tokens(stepper, B, start, cfg, mcfg.eos_id, max_new, prompts):
+            for rows, toks in stream_tokens(stepper, B, start, cfg, mcfg.eos_id, max_new, prompts,
+                                               mcfg.pad_id):
                 for r, t in zip(rows.tolist(), toks.tolist()):
                     seqs[r].append(t)
             seqs = [s[: s.index(mcfg.eos_id)] if mcfg.eos_id in s else s for s in seqs]
             return GenerationOutput(seqs, [[Hypothesis(s, 0.0)] for s in seqs])
-        nbest = beam_search(stepper, B, start, cfg, mcfg.eos_id, max_new, prompts)
+        nbest = beam_search(stepper, B, start, cfg, mcfg.eos_id, max_new, prompts, mcfg.pad_id)
         nbest = [h[: cfg.num_return_sequences] if cfg.num_return_sequences > 1 else h for h in nbest]
         return GenerationOutput([h[0].tokens for h in nbest], nbest)
     finally:

@@ -74,25 +74,36 @@ def scaled_dot_product_attention(
     if bias is not None:
         attn_mask = (bias if mask is None else bias.masked_fill(~mask, float("-inf"))).to(q.dtype)
 
-    if not need_weights:
+    if need_weights or (q.shape[2] == 1 and q.device.type == "cpu" and not dropout_p):
+        # The explicit path; also the faster one on CPU for a single query (incremental decoding),
+        # where the fused kernel's setup costs more than the three small matmuls.
+        weights, out = _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p)
+        if not need_weights:
+            weights = None
+    else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, enable_gqa=h != kv)
         weights = None
-    else:
-        if h != kv:
-            k = k.repeat_interleave(h // kv, dim=1)  # (B, h, Tk, hd)
-            v = v.repeat_interleave(h // kv, dim=1)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, h, Tq, Tk)
-        if attn_mask is not None:
-            scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
-                      else scores + attn_mask)
-        weights = scores.softmax(dim=-1)
-        if valid_rows is not None:
-            weights = weights.masked_fill(~valid_rows, 0.0)
-        out = F.dropout(weights, dropout_p) @ v  # (B, h, Tq, hd)
     if valid_rows is not None:
         out = out.masked_fill(~valid_rows, 0.0)
     return out, weights
+
+
+def _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p):
+    """softmax(QKᵀ/√d + mask)·V with the weights. For GQA the g = h/kv query heads that share a
+    key/value head are stacked along the query axis, so K and V are never copied per head."""
+    B, h, Tq, hd = q.shape
+    kv, Tk = k.shape[1], k.shape[2]
+    qg = q.reshape(B, kv, (h // kv) * Tq, hd)  # (B, kv, g·Tq, hd)
+    scores = ((qg @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    weights = scores.softmax(dim=-1)
+    if valid_rows is not None:
+        weights = weights.masked_fill(~valid_rows, 0.0)
+    out = F.dropout(weights, dropout_p).view(B, kv, (h // kv) * Tq, Tk) @ v  # (B, kv, g·Tq, hd)
+    return weights, out.view(B, h, Tq, hd)
 
 
 # -- KV cache -------------------------------------------------------------------------------------
@@ -131,10 +142,16 @@ class KVCache:
         self.k, self.v, self.length = k, v, k.shape[2]
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (beam search reordering, finished rows dropped)."""
-        if self.k is not None:
-            self.k = self.k.index_select(0, index)
-            self.v = self.v.index_select(0, index)
+        """Keep batch rows ``index`` (beam search reordering, finished rows dropped). Only the
+        filled part of the buffer is copied."""
+        if self.k is None:
+            return
+        n = self.length
+        new_k = self.k.new_empty(index.numel(), *self.k.shape[1:])
+        new_v = self.v.new_empty(index.numel(), *self.v.shape[1:])
+        new_k[:, :, :n].copy_(self.k[:, :, :n].index_select(0, index))
+        new_v[:, :, :n].copy_(self.v[:, :, :n].index_select(0, index))
+        self.k, self.v = new_k, new_v
 
 
 # -- the module -----------------------------------------------------------------------------------
@@ -168,6 +185,12 @@ class MultiHeadAttention(nn.Module):
         self.record_weights = False
         self.last_weights: torch.Tensor | None = None
 
+    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys and values from the encoder output: 2 × (B, kv, S, hd)."""
+        B, S, _ = memory.shape
+        k, v = self.kv_proj(memory).view(B, S, 2, self.n_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return k, v
+
     def forward(
         self, x: torch.Tensor, memory: torch.Tensor | None = None, *,
         mask: torch.Tensor | None = None, is_causal: bool = False,
@@ -183,8 +206,7 @@ class MultiHeadAttention(nn.Module):
             if cache is not None and cache.k is not None:
                 k, v = cache.k, cache.v  # encoder K/V computed once, reused every step
             else:
-                S = memory.shape[1]
-                k, v = self.kv_proj(memory).view(B, S, 2, kv, hd).permute(2, 0, 3, 1, 4)  # 2×(B, kv, S, hd)
+                k, v = self.project_memory(memory)
                 if cache is not None:
                     cache.set(k, v)
         else:
