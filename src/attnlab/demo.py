@@ -29,7 +29,11 @@ def corpus_dir() -> Path:
     return Path(str(resources.files("attnlab") / "data" / "corpora" / "tatoeba_cmn_eng"))
 
 
-def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None = None, log=print) -> int:
+def _log(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None = None, log=_log) -> int:
     import torch
 
     from .data.readers import read_tsv_pairs

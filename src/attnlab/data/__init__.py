@@ -1,8 +1,8 @@
 """Data: readers for parallel and plain text, BPE tokenizers, token-budget batching."""
 
 from .batching import TokenBatchSampler, collate_pairs
-from .readers import DataError, read_pairs, read_parallel_files, read_tsv_pairs
-from .tokenizer import Tokenizer, train_tokenizer
+from .readers import DataError, read_labeled, read_pairs, read_parallel_files, read_text, read_tsv_pairs
+from .tokenizer import Tokenizer, char_tokenizer, train_tokenizer
 
 __all__ = ["DataError", "read_pairs", "read_tsv_pairs", "read_parallel_files", "Tokenizer",
            "train_tokenizer", "TokenBatchSampler", "collate_pairs"]

@@ -107,3 +107,82 @@ def to_simplified(texts: list[str]) -> list[str]:
         raise ImportError("script normalisation needs OpenCC: pip install 'attnlab[zh]'") from None
     conv = opencc.OpenCC("t2s")
     return [conv.convert(t) for t in texts]
+
+
+def read_text(spec: str | Path) -> str:
+    """Plain text for language modelling: a file (.gz ok) or a folder of files (sorted, joined)."""
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise DataError(f"{path}: folder has no files")
+        return "\n".join(read_text(f) for f in files)
+    lines = [line for _, line in open_text_lines(path)]
+    if not any(l.strip() for l in lines):
+        raise DataError(f"{path}: no text")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Labeled:
+    labels: list[str]
+    texts: list[str]
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+_TEXT_NAMES = ("text", "sentence", "review", "content", "message", "document")
+
+
+def read_labeled(path: str | Path, label_col: int | None = None, text_col: int | None = None,
+                 known_labels: list[str] | None = None) -> Labeled:
+    """Labelled rows for classification: TSV (``label<TAB>text`` by default) or CSV (by the
+    extension, RFC 4180 quoting). A header row naming a ``label`` column is recognised and the
+    columns are taken from it. Errors name file and line: broken rows, empty texts, labels not seen
+    in training (``known_labels``)."""
+    import csv
+
+    path = Path(path)
+    is_csv = ".csv" in path.suffixes
+    rows = []
+    lines = open_text_lines(path)
+    if is_csv:
+        numbered = list(lines)
+        reader = csv.reader([l for _, l in numbered])
+        rows = [(numbered[i][0], r) for i, r in enumerate(reader)]
+    else:
+        rows = [(n, l.split("\t")) for n, l in lines if l.strip()]
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    first = [f.strip().lower() for f in rows[0][1]]
+    if "label" in first:
+        lc = first.index("label") if label_col is None else label_col
+        tc = text_col if text_col is not None else next(
+            (first.index(n) for n in _TEXT_NAMES if n in first), 1 - lc if len(first) == 2 else None)
+        if tc is None:
+            raise DataError(f"{path}:1: cannot tell the text column from the header {rows[0][1]}; use --text-col")
+        rows = rows[1:]
+    else:
+        lc = 0 if label_col is None else label_col
+        tc = (1 if lc == 0 else 0) if text_col is None else text_col
+    labels, texts = [], []
+    for lineno, fields in rows:
+        if not fields or all(not f.strip() for f in fields):
+            continue
+        if len(fields) <= max(lc, tc):
+            raise DataError(f"{path}:{lineno}: expected a label in column {lc} and text in column {tc}, "
+                            f"found {len(fields)} field(s): {str(fields)[:80]}")
+        label, text = fields[lc].strip(), fields[tc].strip()
+        if not label:
+            raise DataError(f"{path}:{lineno}: empty label")
+        if not text:
+            raise DataError(f"{path}:{lineno}: empty text")
+        if known_labels is not None and label not in known_labels:
+            raise DataError(f"{path}:{lineno}: unknown label {label!r}; the model knows {known_labels}")
+        labels.append(label)
+        texts.append(text)
+    if not labels:
+        raise DataError(f"{path}: no labelled rows")
+    return Labeled(labels, texts, str(path))

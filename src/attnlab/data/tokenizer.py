@@ -18,11 +18,16 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3 = config pad/bos/
 class Tokenizer:
     """A thin wrapper over ``tokenizers.Tokenizer`` with BOS/EOS handling and batch decode."""
 
-    def __init__(self, tk):
+    def __init__(self, tk, pad_id: int | None = None, bos_id: int | None = None, eos_id: int | None = None,
+                 unk_id: int | None = None):
+        """``tk`` is a ``tokenizers.Tokenizer``. Special ids default to attnlab's own
+        <pad>/<s>/</s>/<unk>; pretrained vocabularies (BERT, SmolLM2) pass theirs."""
         self.tk = tk
-        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (tk.token_to_id(t) for t in SPECIALS)
-        if None in (self.pad_id, self.bos_id, self.eos_id, self.unk_id):
-            raise ValueError(f"tokenizer lacks one of the special tokens {SPECIALS}")
+        own = [tk.token_to_id(t) for t in SPECIALS]
+        self.pad_id = pad_id if pad_id is not None else own[0]
+        self.bos_id = bos_id if bos_id is not None else own[1]
+        self.eos_id = eos_id if eos_id is not None else own[2]
+        self.unk_id = unk_id if unk_id is not None else own[3]
 
     @property
     def vocab_size(self) -> int:
@@ -37,7 +42,7 @@ class Tokenizer:
         return [b + enc.ids + e for enc in self.tk.encode_batch(texts)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        ids = [i for i in ids if i not in (self.pad_id, self.bos_id)]
+        ids = [i for i in ids if i not in (self.pad_id, self.bos_id) or i == self.eos_id]
         if self.eos_id in ids:
             ids = ids[: ids.index(self.eos_id)]
         # The byte-fallback tokens <0xNN> are registered as special (so BPE never merges them) but
@@ -86,3 +91,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
 
 def tokenizer_vocab_sizes(path: str | Path) -> int:
     return len(json.loads(Path(path).read_text(encoding="utf-8"))["model"]["vocab"])
+
+
+def char_tokenizer(text: str) -> Tokenizer:
+    """One token per character of the training text (nanoGPT's Shakespeare model), after the four
+    special tokens; decoding joins characters back exactly."""
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as TK
+    from tokenizers import decoders, models, pre_tokenizers
+
+    chars = sorted(set(text))
+    vocab = {t: i for i, t in enumerate(SPECIALS + [c for c in chars if c not in SPECIALS])}
+    tk = TK(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens(SPECIALS)
+    return Tokenizer(tk)

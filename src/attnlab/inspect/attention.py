@@ -45,12 +45,16 @@ def plot_attention(maps: dict, out: str, title: str = "") -> str:
     import matplotlib.pyplot as plt
     from matplotlib import font_manager
 
-    # A CJK-capable font if the system has one, so Chinese tokens are drawn, not boxes.
-    for name in ("Noto Sans CJK SC", "Noto Sans CJK JP", "WenQuanYi Zen Hei", "SimHei", "Droid Sans Fallback",
-                 "AR PL UMing CN"):
-        if any(f.name == name for f in font_manager.fontManager.ttflist):
-            plt.rcParams["font.family"] = [name, "DejaVu Sans"]
-            break
+    # A CJK-capable font if the system has one, so Chinese tokens are drawn, not boxes; without
+    # one, such tokens are labelled by their code points (install e.g. fonts-noto-cjk).
+    cjk_font = next((name for name in ("Noto Sans CJK SC", "Noto Sans CJK JP", "WenQuanYi Zen Hei", "SimHei",
+                                       "Droid Sans Fallback", "AR PL UMing CN")
+                     if any(f.name == name for f in font_manager.fontManager.ttflist)), None)
+    if cjk_font:
+        plt.rcParams["font.family"] = [cjk_font, "DejaVu Sans"]
+    else:
+        maps = {**maps, **{k: [_drawable(t) for t in maps[k]] for k in ("src_tokens", "tgt_in_tokens")}}
+        title = _drawable(title)
     kinds = [("encoder", "encoder self-attention", "src_tokens", "src_tokens"),
              ("decoder", "decoder self-attention (causal)", "tgt_in_tokens", "tgt_in_tokens"),
              ("cross", "cross-attention (decoder → encoder)", "tgt_in_tokens", "src_tokens")]
@@ -73,6 +77,11 @@ def plot_attention(maps: dict, out: str, title: str = "") -> str:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _drawable(text: str) -> str:
+    """Replace characters DejaVu Sans cannot draw (CJK) by U+XXXX codes."""
+    return "".join(c if ord(c) < 0x2E80 else f"U+{ord(c):04X}" for c in text)
 
 
 def plot_curves(metrics_path: str, out: str) -> str:

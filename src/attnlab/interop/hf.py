@@ -265,19 +265,66 @@ def _prefixed(rules: list[Rule], prefix: str) -> list[Rule]:
 def from_hf(hf_model) -> TransformerBase:
     """An attnlab model with the weights of a Hugging Face BART, Marian, GPT-2, BERT or Llama model
     (base model or one with its LM / classification head)."""
-    c = hf_model.config
-    arch = c.model_type
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
-    prefix = hf_model.base_model_prefix + "."
-    if not any(k.startswith(prefix) for k in sd):
-        prefix = ""
+    return from_state_dict(hf_model.config, sd, hf_model.base_model_prefix)
+
+
+# Defaults of the HF config fields used above, for config.json files that omit them.
+_DEFAULTS = {
+    "bart": dict(dropout=0.1, attention_dropout=0.0, activation_dropout=0.0, activation_function="gelu",
+                 scale_embedding=False, init_std=0.02, max_position_embeddings=1024, pad_token_id=1,
+                 bos_token_id=0, eos_token_id=2, share_encoder_decoder_embeddings=True, decoder_vocab_size=None),
+    "marian": dict(dropout=0.1, attention_dropout=0.0, activation_dropout=0.0, activation_function="gelu",
+                   scale_embedding=False, init_std=0.02, max_position_embeddings=1024, pad_token_id=None,
+                   bos_token_id=None, eos_token_id=0, share_encoder_decoder_embeddings=True, decoder_vocab_size=None),
+    "gpt2": dict(n_inner=None, resid_pdrop=0.1, attn_pdrop=0.1, activation_function="gelu_new",
+                 layer_norm_epsilon=1e-5, initializer_range=0.02, bos_token_id=50256, eos_token_id=50256),
+    "bert": dict(hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                 layer_norm_eps=1e-12, initializer_range=0.02, type_vocab_size=2, pad_token_id=0,
+                 max_position_embeddings=512, num_labels=2),
+    "llama": dict(attention_dropout=0.0, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  initializer_range=0.02, attention_bias=False, mlp_bias=False, pad_token_id=None,
+                  bos_token_id=1, eos_token_id=2, rope_theta=10000.0, rope_parameters=None, head_dim=None,
+                  num_key_value_heads=None, max_position_embeddings=2048),
+}
+
+
+class _ConfigDict:
+    """Attribute access over a config.json dict, with the architecture's defaults."""
+
+    def __init__(self, data: dict):
+        self._data = dict(data)
+        arch = self._data.get("model_type")
+        self._defaults = _DEFAULTS.get(arch, {})
+        if arch == "llama" and self._data.get("num_key_value_heads") is None:
+            self._data["num_key_value_heads"] = self._data.get("num_attention_heads")
+        if arch == "bert" and "id2label" in self._data:
+            self._data.setdefault("num_labels", len(self._data["id2label"]))
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._data:
+            return self._data[name]
+        if name in self._defaults:
+            return self._defaults[name]
+        raise AttributeError(f"config.json has no field {name!r}")
+
+
+def from_state_dict(c, sd: dict, base_prefix: str = "", pooling: str | None = None) -> TransformerBase:
+    """The shared path of from_hf and load_hf_folder: an HF config (object or _ConfigDict) and a
+    state dict, mapped by the architecture's rules."""
+    arch = c.model_type
+    prefix = base_prefix + "." if base_prefix and any(k.startswith(base_prefix + ".") for k in sd) else ""
     if arch in ("bart", "marian"):
         cfg = _seq2seq_config(c, arch)
     elif arch == "gpt2":
         cfg = _gpt2_config(c)
     elif arch == "bert":
         n_classes = c.num_labels if "classifier.weight" in sd else 0
-        cfg = _bert_config(c, n_classes, pooler=f"{prefix}pooler.dense.weight" in sd)
+        cfg = _bert_config(c, n_classes, pooler=f"{prefix}pooler.dense.weight" in sd and pooling is None)
+        if pooling:
+            cfg = cfg.replace(pooling=pooling)
     elif arch == "llama":
         cfg = _llama_config(c)
     else:
@@ -288,11 +335,37 @@ def from_hf(hf_model) -> TransformerBase:
         if rule.hf[0] not in sd and rule.ours == "lm_head.bias":  # a base model has no final_logits_bias
             ours[rule.ours] = torch.zeros(cfg.target_vocab_size)
             continue
+        missing = [k for k in rule.hf if k not in sd]
+        if missing:
+            raise ValueError(f"{arch} weights lack {missing[0]!r} (needed for {rule.ours}); "
+                             "is the file truncated or of another architecture?")
         ours[rule.ours] = rule.to_ours(sd)
     missing, unexpected = model.load_state_dict(ours, strict=False)
     if unexpected or set(missing) - {"lm_head.weight", "tgt_embed.token.weight"}:
-        raise RuntimeError(f"from_hf({arch}): unmapped attnlab parameters {missing}, unexpected {unexpected}")
+        raise RuntimeError(f"{arch}: unmapped attnlab parameters {missing}, unexpected {unexpected}")
     return model
+
+
+def load_hf_folder(path, pooling: str | None = None) -> TransformerBase:
+    """A Hugging Face model folder (config.json + model.safetensors) of a supported architecture,
+    read directly: ``transformers`` is not needed."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    d = Path(path)
+    if not (d / "config.json").exists():
+        raise FileNotFoundError(f"{d}: no config.json (not a Hugging Face model folder)")
+    c = _ConfigDict(json.loads((d / "config.json").read_text(encoding="utf-8")))
+    weights = d / "model.safetensors"
+    if not weights.exists():
+        raise FileNotFoundError(f"{d}: no model.safetensors")
+    try:
+        sd = load_file(str(weights))
+    except Exception as e:
+        raise ValueError(f"{weights}: not a readable safetensors file ({e})") from None
+    base = {"bart": "model", "marian": "model", "gpt2": "transformer", "bert": "bert", "llama": "model"}.get(c.model_type, "")
+    return from_state_dict(c, sd, base, pooling)
 
 
 def infer_architecture(cfg: TransformerConfig) -> str:

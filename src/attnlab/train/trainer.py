@@ -5,6 +5,7 @@ BLEU, best-checkpoint keeping, early stopping, exact resume, and DistributedData
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -16,26 +17,32 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ..config import load_config
-from ..data.batching import TokenBatchSampler, collate_pairs
-from ..data.readers import DataError, read_pairs, to_simplified
-from ..data.tokenizer import Tokenizer, train_tokenizer
 from ..model import build_model
-from ..modeldir import atomic_write, atomic_write_text, load_weights, save_model_dir
+from ..modeldir import atomic_write, atomic_write_text, load_weights, save_model_dir, save_weights
+from .tasks import TASKS, label_smoothed_loss
 
 
 @dataclass
 class TrainArgs:
     """Every option of ``attnlab train`` (saved as training_args.json)."""
     out: str = "runs/model"
-    train: str = ""                 # TSV file, or SRC_FILE,TGT_FILE
+    task: str = "translation"       # translation | lm | classify
+    train: str = ""                 # TSV file, or SRC_FILE,TGT_FILE; text for lm; labelled rows for classify
     dev: str = ""
     src_col: int = 0
     tgt_col: int = 1
     reverse: bool = False
     zh_simplified: bool = False     # OpenCC Traditional → Simplified on the Chinese target
+    label_col: int | None = None    # classify: column of the label (default: found from the header)
+    text_col: int | None = None     # classify: column of the text
+    init: str = ""                  # classify: start from a pretrained encoder, e.g. minilm
+    tokenizer: str = "bpe"          # lm: char | bpe
+    block_size: int = 256           # lm: tokens per training sequence
+    batch_size: int = 32            # lm: sequences per batch; classify: max sentences per batch
+    val_fraction: float = 0.1       # lm/classify without --dev: the held-out tail / seeded share
+    eval_batches: int = 0           # lm: cap on validation blocks (0 = the whole split)
+    reuse_tokenizer: bool = False   # use the tokenizer already in --out (e.g. shared by torchrun workers)
     preset: str = "mt-small"
     config_overrides: dict = field(default_factory=dict)
     vocab_size: int = 8000          # per side (separate) or joint
@@ -47,7 +54,7 @@ class TrainArgs:
     schedule: str = "inverse_sqrt"  # inverse_sqrt (= the paper's), cosine, constant
     warmup: int = 4000
     min_lr: float = 0.0
-    label_smoothing: float = 0.1
+    label_smoothing: float | None = None  # None: the task's default (0.1 translation, 0 lm/classify)
     clip_norm: float = 1.0
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.98)
@@ -89,7 +96,7 @@ def learning_rate(step: int, args: TrainArgs, d_model: int, progress: float | No
         return peak * step / args.warmup
     if args.schedule == "inverse_sqrt":
         return peak * math.sqrt(args.warmup / step)
-    if args.schedule == "cosine":
+    if args.schedule == "cosine":  # progress runs from the end of warmup to the end of training
         p = min(max(progress or 0.0, 0.0), 1.0)
         return args.min_lr + 0.5 * (peak - args.min_lr) * (1 + math.cos(math.pi * p))
     return peak
@@ -108,62 +115,17 @@ def init_distributed(device: torch.device) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
-# -- data ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TranslationData:
-    src_tok: Tokenizer
-    tgt_tok: Tokenizer
-    train_src: list[list[int]]
-    train_tgt: list[list[int]]
-    dev_src_text: list[str]
-    dev_tgt_text: list[str]
-    dev_src: list[list[int]]
-    dev_tgt: list[list[int]]
-    filtered: int
-
-
-def prepare_translation_data(args: TrainArgs, out: Path, log=print) -> TranslationData:
-    train = read_pairs(args.train, args.src_col, args.tgt_col, args.reverse)
-    dev = read_pairs(args.dev, args.src_col, args.tgt_col, args.reverse) if args.dev else None
-    train_tgt_text = to_simplified(train.tgt) if args.zh_simplified else train.tgt
-    if (out / "tokenizer.json").exists():  # resume: the saved vocabulary, never a retrained one
-        src_tok = Tokenizer.load(out / "tokenizer.json")
-        tgt_tok = Tokenizer.load(out / "tgt_tokenizer.json") if (out / "tgt_tokenizer.json").exists() else src_tok
-    elif args.joint_vocab:
-        src_tok = tgt_tok = train_tokenizer(train.src + train_tgt_text, args.vocab_size)
-    else:
-        src_tok = train_tokenizer(train.src, args.vocab_size)
-        tgt_tok = train_tokenizer(train_tgt_text, args.vocab_size)
-    src_ids = src_tok.encode_batch(train.src, eos=True)
-    tgt_ids = tgt_tok.encode_batch(train_tgt_text, bos=True, eos=True)
-    keep = [i for i in range(len(src_ids)) if len(src_ids[i]) <= args.max_len and len(tgt_ids[i]) <= args.max_len + 1]
-    filtered = len(src_ids) - len(keep)
-    if filtered:
-        log(f"filtered {filtered} of {len(src_ids)} training pairs longer than --max-len {args.max_len} tokens")
-    if not keep:
-        raise DataError(f"{args.train}: no training pairs left after filtering by --max-len {args.max_len}")
-    dev_src_text, dev_tgt_text = (dev.src, dev.tgt) if dev else ([], [])
-    return TranslationData(
-        src_tok, tgt_tok, [src_ids[i] for i in keep], [tgt_ids[i] for i in keep], dev_src_text, dev_tgt_text,
-        src_tok.encode_batch(dev_src_text, eos=True), tgt_tok.encode_batch(dev_tgt_text, bos=True, eos=True),
-        filtered)
-
-
 # -- the trainer ---------------------------------------------------------------------------------------
 
 
-def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, pad_id: int, smoothing: float):
-    """Cross-entropy with label smoothing ε (the paper: 0.1), padding ignored. Returns the mean over
-    real tokens and the count of real tokens."""
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                           ignore_index=pad_id, label_smoothing=smoothing)
-    return loss, int((labels != pad_id).sum())
+def _log(*parts) -> None:
+    print(*parts, flush=True)
 
 
 class Trainer:
-    def __init__(self, args: TrainArgs, log=print):
+    """One loop for every task: accumulation, clipping, schedule, bf16, eval, checkpoints, resume."""
+
+    def __init__(self, args: TrainArgs, log=_log):
         self.args, self.log = args, log
         self.rank, self.world = dist_info()
         self.device = pick_device(args.device)
@@ -174,6 +136,11 @@ class Trainer:
             torch.set_num_threads(args.threads)
         self.out = Path(args.out)
         self.is_main = self.rank == 0
+        if args.task not in TASKS:
+            raise ValueError(f"--task {args.task!r} is not one of {', '.join(TASKS)}")
+        self.task = TASKS[args.task]()
+        self.smoothing = (args.label_smoothing if args.label_smoothing is not None
+                          else self.task.default_label_smoothing)
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -181,19 +148,15 @@ class Trainer:
         torch.manual_seed(args.seed)
         random.seed(args.seed)
         np.random.seed(args.seed)
-        self.data = prepare_translation_data(args, self.out, self.log if self.is_main else (lambda *a: None))
-        joint = self.data.src_tok is self.data.tgt_tok
-        overrides = dict(args.config_overrides)
-        overrides.update(vocab_size=self.data.src_tok.vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3)
-        if joint:
-            overrides.update(tgt_vocab_size=None)
-        else:
-            overrides.update(tgt_vocab_size=self.data.tgt_tok.vocab_size, share_embeddings=False)
-        cfg = load_config(args.preset, **overrides)
-        self.model = build_model(cfg).to(self.device)
-        self.config = cfg
-        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        self.task.prepare(args, self.out, self.log if self.is_main else (lambda *a: None))
+        self.config = self.task.model_config(args)
+        torch.manual_seed(args.seed)
+        self.model = build_model(self.config)
+        if hasattr(self.task, "init_weights"):
+            self.task.init_weights(self.model)
+        self.model.to(self.device)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=0.0, betas=tuple(args.betas), eps=args.eps)
@@ -203,17 +166,27 @@ class Trainer:
             self.ddp_model = DistributedDataParallel(self.model, device_ids=[self.device.index]
                                                      if self.device.type == "cuda" else None)
         self.forward = torch.compile(self.ddp_model) if args.compile else self.ddp_model
-        self.sampler = TokenBatchSampler([len(s) for s in self.data.train_src], [len(t) for t in self.data.train_tgt],
-                                         args.max_tokens, seed=args.seed)
+        if args.task == "classify":
+            inner = self.forward
+            self.forward = lambda x, mask: self._classify(inner, x, mask)
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.elapsed_before = 0.0
         self.best, self.bad_evals = None, 0
-        self.history: list[dict] = []
         if args.resume and (self.out / "checkpoint_last.pt").exists():
             self._load_state()
         elif self.is_main:
-            save_model_dir(self.out, self.model, self.data.src_tok, None if joint else self.data.tgt_tok,
+            art = self.task.save_artifacts(self.out)
+            save_model_dir(self.out, self.model, art.get("tokenizer"), art.get("tgt_tokenizer"),
                            training_args=dataclasses.asdict(args))
+            from .tasks import save_task_info
+            save_task_info(self.out, art["task"])
+            if (self.out / "metrics.jsonl").exists():
+                (self.out / "metrics.jsonl").unlink()
+
+    def _classify(self, forward, x, mask):
+        """classification through the (possibly DDP-wrapped) module's forward, then the head."""
+        hidden = forward(x, mask)
+        return self.model.classifier(self.model.pool(hidden, mask))
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -231,7 +204,6 @@ class Trainer:
             return
         state = self._state()
         atomic_write(self.out / "checkpoint_last.pt", lambda tmp: torch.save(state, tmp))
-        from ..modeldir import save_weights
         ckpt_dir = self.out / "checkpoints"
         save_weights(self.model, ckpt_dir / f"step_{self.step:08d}.safetensors")
         for old in sorted(ckpt_dir.glob("step_*.safetensors"))[: -self.args.keep_last]:
@@ -254,56 +226,20 @@ class Trainer:
     def _metrics(self, record: dict) -> None:
         if not self.is_main:
             return
-        self.history.append(record)
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
-    # -- evaluation -----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        from ..evaluate.metrics import corpus_scores
-        from ..generate.search import GenerationConfig
-        from ..generate.translate import translate
-        model, d = self.model, self.data
-        model.eval()
-        losses, tokens = 0.0, 0
-        idx = list(range(len(d.dev_src)))
-        for s in range(0, len(idx), 64):
-            b = idx[s: s + 64]
-            src, src_mask, tgt_in, labels = collate_pairs([d.dev_src[i] for i in b], [d.dev_tgt[i] for i in b], 0)
-            src, src_mask, tgt_in, labels = (t.to(self.device) for t in (src, src_mask, tgt_in, labels))
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16):
-                logits = model(src, tgt_in, src_mask)
-            loss, n = label_smoothed_loss(logits, labels, 0, 0.0)
-            losses += loss.item() * n
-            tokens += n
-        n = min(self.args.eval_sentences, len(d.dev_src_text))
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16):
-            hyps = translate(model, d.src_tok, d.tgt_tok, d.dev_src_text[:n],
-                             GenerationConfig(num_beams=self.args.beam), max_src_len=self.args.max_len)
-        scores = corpus_scores(hyps, d.dev_tgt_text[:n])
-        model.train()
-        return {"dev_loss": round(losses / max(tokens, 1), 4), "dev_bleu": scores["bleu"], "dev_chrf": scores["chrf"]}
-
     # -- the loop -------------------------------------------------------------------------------------
-    def _batches(self):
-        """(epoch, index in epoch, batch) forever, starting at the saved data position. With N
-        processes, process r takes batches r, r+N, … so one optimizer step sees N·update_freq
-        batches in total, exactly as one process with update_freq·N would."""
-        while True:
-            batches = self.sampler.batches(self.epoch)
-            usable = len(batches) - len(batches) % self.world
-            while self.batch_in_epoch + self.world <= usable:
-                i = self.batch_in_epoch
-                self.batch_in_epoch += self.world  # before yielding: a checkpoint saved after this
-                yield batches[i + self.rank]       # step must resume at the *next* batch
-            self.epoch += 1
-            self.batch_in_epoch = 0
+    def _progress(self, elapsed: float, budget: float | None) -> float:
+        args = self.args
+        if args.max_steps:
+            return (self.step - args.warmup) / max(args.max_steps - args.warmup, 1)
+        return elapsed / budget if budget else 0.0
 
     def train(self) -> dict:
-        args, model, d = self.args, self.model, self.data
-        self.setup() if not hasattr(self, "model") else None
-        model, d = self.model, self.data
+        if not hasattr(self, "model"):
+            self.setup()
+        args, model = self.args, self.model
         model.train()
         self.t0 = time.time()
         budget = args.minutes * 60 if args.minutes else None
@@ -312,9 +248,9 @@ class Trainer:
             from tqdm import tqdm
             bar = tqdm(total=args.max_steps or int(budget or 0) or None, initial=self.step if args.max_steps else 0,
                        unit="step" if args.max_steps else "s", dynamic_ncols=True, mininterval=1.0)
-        batches = self._batches()
         tok_count, loss_sum, loss_n, t_log = 0, 0.0, 0, time.time()
         stop_reason = "max steps"
+        last_eval = None
         while True:
             elapsed = self.elapsed_before + time.time() - self.t0
             if args.max_steps is not None and self.step >= args.max_steps:
@@ -322,25 +258,21 @@ class Trainer:
             if budget is not None and elapsed >= budget:
                 stop_reason = "time budget"
                 break
-            progress = (self.step / args.max_steps if args.max_steps else elapsed / budget if budget else 0.0)
-            lr = learning_rate(self.step + 1, args, self.config.d_model, progress)
+            lr = learning_rate(self.step + 1, args, self.config.d_model, self._progress(elapsed, budget))
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
             for micro in range(args.update_freq):
-                b = next(batches)
-                src, src_mask, tgt_in, labels = collate_pairs([d.train_src[i] for i in b], [d.train_tgt[i] for i in b], 0)
-                src, src_mask, tgt_in, labels = (t.to(self.device) for t in (src, src_mask, tgt_in, labels))
-                sync = micro == args.update_freq - 1 or self.world == 1
-                ctx = self.ddp_model.no_sync() if (self.world > 1 and not sync) else _nullcontext()
+                batch = tuple(t.to(self.device) for t in self.task.batch(self))
+                sync = micro == args.update_freq - 1
+                ctx = self.ddp_model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
                 with ctx:
                     with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                        logits = self.forward(src, tgt_in, src_mask)
-                    loss, n = label_smoothed_loss(logits, labels, 0, args.label_smoothing)
+                        loss, n, n_in = self.task.loss(self.forward, batch, self.smoothing)
                     (loss / args.update_freq).backward()
                 loss_sum += loss.item() * n
                 loss_n += n
-                tok_count += int(src_mask.sum()) + n
+                tok_count += n_in
             if args.clip_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
             self.optimizer.step()
@@ -350,7 +282,7 @@ class Trainer:
                 if args.max_steps:
                     bar.update(1)
                 else:
-                    bar.n = min(int(self.elapsed_before + now - self.t0), bar.total or 0)
+                    bar.update(min(int(self.elapsed_before + now - self.t0), bar.total or 0) - bar.n)
                 bar.set_postfix_str(f"step {self.step} loss {loss_sum / max(loss_n, 1):.3f} lr {lr:.2e} "
                                     f"tok/s {tok_count * self.world / max(now - t_log, 1e-9):,.0f}", refresh=False)
             if self.step % 50 == 0:
@@ -359,7 +291,8 @@ class Trainer:
                                "tokens_per_s": round(tok_count * self.world / max(now - t_log, 1e-9)),
                                "elapsed": round(self.elapsed_before + now - self.t0, 1)})
                 tok_count, loss_sum, loss_n, t_log = 0, 0.0, 0, now
-            if args.eval_every and self.step % args.eval_every == 0 and d.dev_src:
+            if args.eval_every and self.step % args.eval_every == 0 and self.task.has_dev:
+                last_eval = self.step
                 if self._evaluate_and_keep_best():
                     stop_reason = "early stopping"
                     break
@@ -369,11 +302,10 @@ class Trainer:
             bar.close()
         result = {"steps": self.step, "stop": stop_reason,
                   "elapsed": round(self.elapsed_before + time.time() - self.t0, 1)}
-        if d.dev_src and (not self.history or self.history[-1].get("step") != self.step or "dev_bleu" not in self.history[-1]):
+        if self.task.has_dev and last_eval != self.step:
             self._evaluate_and_keep_best()
         self.save_checkpoint()
         if self.is_main and self.best is None:  # no dev set: the last weights are the model
-            from ..modeldir import save_weights
             save_weights(model, self.out / "model.safetensors")
         result["best"] = self.best
         if self.world > 1:
@@ -382,30 +314,21 @@ class Trainer:
         return result
 
     def _evaluate_and_keep_best(self) -> bool:
-        """Evaluate on dev; keep the best weights (by BLEU) as model.safetensors. True = stop early."""
+        """Evaluate on dev; keep the best weights (by the task's score) as model.safetensors.
+        Returns True when early stopping says stop."""
         if not self.is_main:
             return False
-        scores = self.evaluate()
-        scores["step"] = self.step
-        scores["elapsed"] = round(self.elapsed_before + time.time() - self.t0, 1)
+        scores = self.task.evaluate(self.model, self.device, self.args.bf16)
+        self.model.train()
+        scores.update(step=self.step, elapsed=round(self.elapsed_before + time.time() - self.t0, 1))
         self._metrics(scores)
-        self.log(f"step {self.step}: dev loss {scores['dev_loss']:.3f}  BLEU {scores['dev_bleu']:.2f}  "
-                 f"chrF {scores['dev_chrf']:.2f}")
-        if self.best is None or scores["dev_bleu"] > self.best["dev_bleu"]:
+        self.log(f"step {self.step}: {self.task.describe(scores)}")
+        if self.best is None or scores["score"] > self.best["score"]:
             self.best, self.bad_evals = scores, 0
-            from ..modeldir import save_weights
             save_weights(self.model, self.out / "model.safetensors")
         else:
             self.bad_evals += 1
         return bool(self.args.patience and self.bad_evals >= self.args.patience)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def average_checkpoints(directory: str | Path, last: int = 5, out: str | Path | None = None) -> Path:

@@ -1,0 +1,91 @@
+"""SmolLM2-135M greedy decoding, batch 1, 128 new tokens: attnlab vs transformers `generate` on the
+same (dequantised GGUF) weights, in fp32 and bf16, side by side in one run. Also reports the
+memory-bandwidth bound (bytes of weights read per token ÷ measured copy bandwidth) and, when
+llama-cpp-python is installed, llama.cpp on the same GGUF file as the outside reference.
+
+    python benchmarks/smollm2_speed.py [--tokens 128] [--repeats 2] [--threads 2]
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+PROMPT = "The Transformer architecture"
+
+
+def copy_bandwidth(size_mb=512, repeats=5):
+    """Bytes moved per second by a large tensor copy (read + write)."""
+    src = torch.empty(size_mb * 2 ** 20 // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_time(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * src.numel() * 4 / best
+
+
+def _time(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="also time attnlab with torch.compile")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    from attnlab.generate import generate
+    from attnlab.pretrained import load_pretrained, smollm2_path
+    path = smollm2_path()
+    n = args.tokens
+    ours = load_pretrained("smollm2")
+    ids = torch.tensor([ours.tokenizer.encode(PROMPT)])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    bw = copy_bandwidth()
+    params = ours.model.num_parameters()
+    results = {"threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+               "new_tokens": n, "copy_bandwidth_GBps": round(bw / 1e9, 1), "parameters": params}
+    for dtype in (torch.float32, torch.bfloat16):
+        ours.model.to(dtype)
+        hf.to(dtype)
+        bound = bw / (params * (4 if dtype == torch.float32 else 2))  # tokens/s if weights stream once per token
+
+        def run_ours():
+            return generate(ours.model, ids, max_new_tokens=n, min_new_tokens=n).sequences[0]
+
+        def run_hf():
+            with torch.no_grad():
+                return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True)[0, ids.shape[1]:].tolist()
+        a, b = run_ours(), run_hf()  # warm-up, and the outputs must agree
+        t_ours = min(_time(run_ours) for _ in range(args.repeats))
+        t_hf = min(_time(run_hf) for _ in range(args.repeats))
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        row = {"attnlab_tok_s": round(n / t_ours, 1), "transformers_tok_s": round(n / t_hf, 1),
+               "speedup": round(t_hf / t_ours, 2), "bandwidth_bound_tok_s": round(bound, 1),
+               "attnlab_fraction_of_bound": round(n / t_ours / bound, 2), "same_tokens": a == b}
+        results[name] = row
+        print(name, json.dumps(row), flush=True)
+    try:
+        from llama_cpp import Llama
+        llm = Llama(model_path=str(path), n_threads=torch.get_num_threads(), n_ctx=512, verbose=False)
+        llm(PROMPT, max_tokens=8, temperature=0.0, top_k=1)
+        t0 = time.perf_counter()
+        out = llm(PROMPT, max_tokens=n, temperature=0.0, top_k=1)
+        dt = time.perf_counter() - t0
+        results["llama_cpp_Q4_1_tok_s"] = round(out["usage"]["completion_tokens"] / dt, 1)
+        print("llama.cpp", results["llama_cpp_Q4_1_tok_s"], "tok/s (Q4_1, prompt included in the time)")
+    except ImportError:
+        results["llama_cpp_Q4_1_tok_s"] = None
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

