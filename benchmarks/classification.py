@@ -25,7 +25,7 @@ RECIPES = {
     "sst2-minilm": ["--init", "minilm", "--lr", "5e-5", "--warmup", "150", "--max-steps", "1500", "--batch-size", "32",
                     "--max-tokens", "4096", "--eval-every", "500", "--bf16", "--weight-decay", "0.01"],
     "sst2-scratch": ["--preset", "bert-mini", "--vocab-size", "8000", "--lr", "5e-4", "--warmup", "200",
-                     "--max-steps", "3000", "--batch-size", "64", "--max-tokens", "4096", "--eval-every", "1000",
+                     "--max-steps", "1500", "--batch-size", "64", "--max-tokens", "4096", "--eval-every", "500",
                      "--bf16", "--set", "pooling=mean", "--set", "dropout=0.1"],
     "chnsenticorp-scratch": ["--preset", "bert-mini", "--vocab-size", "6000", "--lr", "5e-4", "--warmup", "100",
                              "--max-steps", "1500", "--batch-size", "32", "--max-tokens", "8192", "--max-len", "256",

@@ -75,3 +75,9 @@ def test_teacher_forcing_shifts_the_target_right():
     src, mask, tgt_in, labels = collate_pairs([[5, 6, 2]], [[1, 7, 8, 2]], pad_id=0)
     assert tgt_in.tolist() == [[1, 7, 8]] and labels.tolist() == [[7, 8, 2]]
     assert mask.tolist() == [[True, True, True]]
+
+
+def test_traditional_to_simplified_normalisation():
+    pytest.importorskip("opencc")
+    from attnlab.data.readers import to_simplified
+    assert to_simplified(["我買了那輛車。", "下周可能会结冰。"]) == ["我买了那辆车。", "下周可能会结冰。"]

@@ -180,6 +180,19 @@ def _key_positions(attention_mask: torch.Tensor | None, length: int, device) -> 
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
 
 
+def decoder_self_mask(key_is_token: torch.Tensor | None, T: int, past: int, device):
+    """(mask, is_causal) for decoder self-attention over ``past`` cached + ``T`` new positions.
+
+    Without padding the causal mask is left to the fused kernel (``is_causal``) when there is no
+    cache, and is not needed at all for a single new position; otherwise it is built explicitly
+    (shifted right by ``past``) and combined with the padding of the keys."""
+    if key_is_token is not None:
+        return padding_mask(key_is_token) & causal_mask(T, past + T, device), False
+    if past and T > 1:
+        return causal_mask(T, past + T, device), False
+    return None, past == 0 and T > 1
+
+
 class EncoderDecoder(TransformerBase):
     """The Transformer of the paper: encoder + decoder with cross-attention + output projection."""
 
@@ -217,13 +230,7 @@ class EncoderDecoder(TransformerBase):
         pos = torch.arange(past, past + T, device=tgt.device)
         rope, bias = self._attention_positions(pos, torch.arange(past + T, device=tgt.device))
         x = self.tgt_embed(tgt, pos)
-        mask, is_causal = None, past == 0 and T > 1
-        if tgt_mask is not None:
-            mask = padding_mask(tgt_mask) & causal_mask(T, past + T, tgt.device)
-            is_causal = False
-        elif past and T > 1:
-            mask = causal_mask(T, past + T, tgt.device)
-            is_causal = False
+        mask, is_causal = decoder_self_mask(tgt_mask, T, past, tgt.device)
         memory_mask = padding_mask(src_mask) if src_mask is not None else None
         h = self.decoder(x, memory, mask=mask, is_causal=is_causal, memory_mask=memory_mask,
                          rope=rope, bias=bias, cache=cache)
@@ -264,13 +271,7 @@ class DecoderOnly(TransformerBase):
             positions = k_pos[..., past:]
         rope, bias = self._attention_positions(positions, k_pos)
         x = self.embed(ids, positions)
-        mask, is_causal = None, past == 0 and T > 1
-        if attention_mask is not None:
-            mask = padding_mask(attention_mask) & causal_mask(T, past + T, ids.device)
-            is_causal = False
-        elif past and T > 1:
-            mask = causal_mask(T, past + T, ids.device)
-            is_causal = False
+        mask, is_causal = decoder_self_mask(attention_mask, T, past, ids.device)
         h = self.decoder(x, mask=mask, is_causal=is_causal, rope=rope, bias=bias, cache=cache)
         return self.lm_head(h[:, -1] if last_only else h)
 
