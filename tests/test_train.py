@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from attnlab.cli import main
 from attnlab.demo import corpus_dir
 from attnlab.modeldir import atomic_write_text, load
-from attnlab.train import TrainArgs, Trainer, average_checkpoints, learning_rate
+from attnlab.train import TrainArgs, average_checkpoints, learning_rate
 
 TINY = ["--set", "d_model=32", "--set", "n_heads=4", "--set", "d_ff=64", "--set", "n_encoder_layers=1",
         "--set", "n_decoder_layers=1"]

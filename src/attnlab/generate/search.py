@@ -8,7 +8,6 @@ prefill the left-padded prompt, then one token per step). The search algorithms 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Iterator
 

@@ -56,7 +56,7 @@ def trace_shapes(model: nn.Module, inputs: tuple | None = None) -> list[tuple[st
 def shapes_report(model: nn.Module) -> str:
     inputs = sample_batch(model)
     cfg = model.config
-    lines = [f"sample batch: " + ", ".join(f"{n} {tuple(t.shape)}" for n, t in
+    lines = ["sample batch: " + ", ".join(f"{n} {tuple(t.shape)}" for n, t in
              zip(("src", "tgt", "src_mask") if cfg.family == "encoder-decoder" else ("ids", "mask"), inputs))]
     for name, shape in trace_shapes(model, inputs):
         depth = name.count(".")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..model import build_model
-from ..modeldir import atomic_write, atomic_write_text, load_weights, save_model_dir, save_weights
+from ..modeldir import atomic_write, save_model_dir, save_weights
 from .tasks import TASKS, label_smoothed_loss
 
 
@@ -353,5 +353,4 @@ def average_checkpoints(directory: str | Path, last: int = 5, out: str | Path | 
     return target
 
 
-__all__ = ["TrainArgs", "Trainer", "learning_rate", "average_checkpoints", "label_smoothed_loss",
-           "load_weights", "atomic_write_text"]
+__all__ = ["TrainArgs", "Trainer", "learning_rate", "average_checkpoints", "label_smoothed_loss"]
