@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=10.0, help="training time budget (default 10)")
     p.add_argument("--out", default="runs/demo", help="model directory (default runs/demo)")
     p.add_argument("--threads", type=int, default=None)
-    p = add("train", "train a translation model (teacher forcing, label smoothing, warmup, checkpoints)", cmd_train)
+    p = add("train", "train a model: translation (default), --task lm, --task classify", cmd_train)
     _add_train_flags(p)
     p = add("translate", "translate sentences (stdin, --input file or --text) with a trained model", cmd_translate)
     p.add_argument("--model", required=True, help="model directory")
