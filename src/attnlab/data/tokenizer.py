@@ -8,7 +8,6 @@ of <unk>.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable
 
@@ -87,10 +86,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
                                   special_tokens=SPECIALS + byte_tokens, show_progress=False)
     tk.train_from_iterator(texts, trainer)
     return Tokenizer(tk)
-
-
-def tokenizer_vocab_sizes(path: str | Path) -> int:
-    return len(json.loads(Path(path).read_text(encoding="utf-8"))["model"]["vocab"])
 
 
 def char_tokenizer(text: str) -> Tokenizer:

@@ -61,10 +61,7 @@ class TranslationTask:
         train = read_pairs(args.train, args.src_col, args.tgt_col, args.reverse)
         dev = read_pairs(args.dev, args.src_col, args.tgt_col, args.reverse) if args.dev else None
         tgt_text = to_simplified(train.tgt) if args.zh_simplified else train.tgt
-        if (out / "tokenizer.json").exists() and args.resume:  # resume: the saved vocabulary
-            self.src_tok = Tokenizer.load(out / "tokenizer.json")
-            self.tgt_tok = Tokenizer.load(out / "tgt_tokenizer.json") if (out / "tgt_tokenizer.json").exists() else self.src_tok
-        elif (out / "tokenizer.json").exists() and args.reuse_tokenizer:
+        if (out / "tokenizer.json").exists() and (args.resume or args.reuse_tokenizer):  # the saved vocabulary
             self.src_tok = Tokenizer.load(out / "tokenizer.json")
             self.tgt_tok = Tokenizer.load(out / "tgt_tokenizer.json") if (out / "tgt_tokenizer.json").exists() else self.src_tok
         elif args.joint_vocab:
