@@ -69,11 +69,11 @@ def _add_generation_flags(p, sampling: bool = False) -> None:
 def cmd_train(args) -> int:
     import dataclasses
     import json
+    from pathlib import Path
 
     from .train import TrainArgs, Trainer
     values = {}
     if args.config:
-        from pathlib import Path
         try:
             values = json.loads(Path(args.config).read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
@@ -88,7 +88,7 @@ def cmd_train(args) -> int:
             values[f.name] = v
     if args.resume_dir:
         values.update(out=args.resume_dir, resume=True)
-        saved = json.loads((__import__("pathlib").Path(args.resume_dir) / "training_args.json").read_text())
+        saved = json.loads((Path(args.resume_dir) / "training_args.json").read_text(encoding="utf-8"))
         values = {**saved, **{k: v for k, v in values.items() if getattr(args, k, None) is not None}, "resume": True,
                   "out": args.resume_dir}
     overrides = dict(values.get("config_overrides", {}))
@@ -382,7 +382,8 @@ def _add_train_flags(p) -> None:
              "max_tokens": "tokens per batch (per process)", "update_freq": "gradient accumulation steps",
              "lr": "peak learning rate (default: the paper's d^-0.5 warmup^-0.5)",
              "schedule": "inverse_sqrt (the paper's) | cosine | constant", "bf16": "bf16 autocast",
-             "compile": "torch.compile the model", "preset": "model preset or config.json",
+             "compile": "torch.compile the model",
+             "preset": "model preset or config.json (default: mt-small, gpt-mini or bert-mini by --task)",
              "zh_simplified": "convert Traditional Chinese targets to Simplified (needs attnlab[zh])",
              "reverse": "swap the TSV columns' direction", "joint_vocab": "one BPE vocabulary for both sides",
              "patience": "early stopping after N evaluations without BLEU improvement"}

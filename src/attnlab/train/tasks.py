@@ -55,6 +55,7 @@ class _ListBatches:
 
 class TranslationTask:
     name = "translation"
+    default_preset = "mt-small"
     default_label_smoothing = 0.1
 
     def prepare(self, args, out: Path, log) -> None:
@@ -98,7 +99,7 @@ class TranslationTask:
             over.update(tgt_vocab_size=None)
         else:
             over.update(tgt_vocab_size=self.tgt_tok.vocab_size, share_embeddings=False)
-        return load_config(args.preset, **over)
+        return load_config(args.preset or self.default_preset, **over)
 
     def save_artifacts(self, out: Path) -> dict:
         return {"tokenizer": self.src_tok, "tgt_tokenizer": None if self.src_tok is self.tgt_tok else self.tgt_tok,
@@ -148,6 +149,7 @@ class LanguageModelTask:
     """Decoder-only LM on plain text: contiguous blocks of ``block_size`` tokens at random offsets
     (nanoGPT's sampler), deterministic from (seed, step, micro-batch, rank) so resume is exact."""
     name = "lm"
+    default_preset = "gpt-mini"
     default_label_smoothing = 0.0
 
     def prepare(self, args, out: Path, log) -> None:
@@ -179,7 +181,7 @@ class LanguageModelTask:
 
     def model_config(self, args) -> TransformerConfig:
         over = dict(args.config_overrides, vocab_size=self.tok.vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3)
-        cfg = load_config(args.preset, **over)
+        cfg = load_config(args.preset or self.default_preset, **over)
         if cfg.family != "decoder-only":
             raise DataError(f"--task lm needs a decoder-only preset, {args.preset!r} is {cfg.family}")
         if cfg.positions == "learned" and cfg.max_len < args.block_size:
@@ -250,6 +252,7 @@ class ClassificationTask:
     """Encoder-only classifier on ``label<TAB>text`` (or CSV) rows, from scratch or fine-tuning a
     pretrained encoder (``--init minilm``) with a classification head on the pooled output."""
     name = "classify"
+    default_preset = "bert-mini"
     default_label_smoothing = 0.0
 
     def prepare(self, args, out: Path, log) -> None:
@@ -299,7 +302,7 @@ class ClassificationTask:
             return base.replace(n_classes=len(self.labels), **args.config_overrides)
         over = dict(args.config_overrides, vocab_size=self.tok.vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
                     n_classes=len(self.labels))
-        cfg = load_config(args.preset if args.preset != "mt-small" else "bert-mini", **over)
+        cfg = load_config(args.preset or self.default_preset, **over)
         if cfg.family != "encoder-only":
             raise DataError(f"--task classify needs an encoder-only preset, {args.preset!r} is {cfg.family}")
         return cfg

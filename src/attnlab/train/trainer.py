@@ -43,7 +43,7 @@ class TrainArgs:
     val_fraction: float = 0.1       # lm/classify without --dev: the held-out tail / seeded share
     eval_batches: int = 0           # lm: cap on validation blocks (0 = the whole split)
     reuse_tokenizer: bool = False   # use the tokenizer already in --out (e.g. shared by torchrun workers)
-    preset: str = "mt-small"
+    preset: str = ""                # model preset or config.json; "": the task's default_preset
     config_overrides: dict = field(default_factory=dict)
     vocab_size: int = 8000          # per side (separate) or joint
     joint_vocab: bool = False
