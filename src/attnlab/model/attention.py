@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .embedding import apply_rotary
+from .linear import Linear
 
 # -- masks ----------------------------------------------------------------------------------------
 
@@ -176,11 +177,11 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
         q_dim, kv_dim = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if cross:
-            self.q_proj = nn.Linear(d_model, q_dim, bias=bias)
-            self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=bias)
+            self.q_proj = Linear(d_model, q_dim, bias=bias)
+            self.kv_proj = Linear(d_model, 2 * kv_dim, bias=bias)
         else:
-            self.qkv_proj = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
-        self.out_proj = nn.Linear(q_dim, d_model, bias=bias)
+            self.qkv_proj = Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
+        self.out_proj = Linear(q_dim, d_model, bias=bias)
         # Set by attnlab.inspect.record_attention to keep the last attention weights (pictures).
         self.record_weights = False
         self.last_weights: torch.Tensor | None = None
