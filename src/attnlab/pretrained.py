@@ -114,7 +114,7 @@ def _load_sentence_transformer(folder: Path, dtype) -> Pretrained:
     return Pretrained(model, tok, normalize=normalize)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def embed(pretrained: Pretrained, sentences: list[str], batch_size: int = 32):
     """Sentence embeddings (numpy, float32): pooled hidden states, L2-normalised if the model says so.
     Sentences are batched by length so little work goes into padding."""

@@ -310,7 +310,7 @@ def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationCo
 # -- entry point --------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
+@torch.inference_mode()  # cheaper than no_grad: no version counters, no view tracking
 def generate(model, inputs: torch.Tensor, input_mask: torch.Tensor | None = None,
              config: GenerationConfig | None = None, **overrides) -> GenerationOutput:
     """Generate for a batch.

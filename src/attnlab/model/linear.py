@@ -36,6 +36,9 @@ def _onednn_available() -> bool:
 
 
 _ONEDNN = _onednn_available()
+if _ONEDNN:
+    _REORDER = torch.ops.mkldnn._reorder_linear_weight.default
+    _LINEAR = torch.ops.mkldnn._linear_pointwise.default
 
 
 class Linear(nn.Linear):
@@ -48,13 +51,14 @@ class Linear(nn.Linear):
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
                 and not torch.is_autocast_enabled("cpu")):
             try:
-                key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+                # In-place updates bump the version; .to() and .data = swap the storage.
+                key = (w._version, w.data_ptr(), w.dtype)
             except RuntimeError:  # an inference-mode tensor has no version counter: no cache
                 return F.linear(x, w, self.bias)
             entry = _packed.get(self)
-            if entry is None or entry[0] != key:
-                entry = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_ROWS_HINT))
+            # The entry holds the storage it was packed from, so no new weight can reuse its address.
+            if entry is None or entry[1] != key:
+                entry = (w.detach(), key, _REORDER(w.detach(), _PACK_ROWS_HINT))
                 _packed[self] = entry
-            bias = self.bias.detach() if self.bias is not None else None
-            return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+            return _LINEAR(x, entry[2], None if self.bias is None else self.bias.detach(), "none", [], "")
         return F.linear(x, w, self.bias)

@@ -117,9 +117,10 @@ class TransformerBase(nn.Module):
         else:
             self.alibi_slopes = None
 
-    def _attention_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
-        """RoPE (cos, sin) for the queries/keys and the ALiBi bias, once per forward."""
-        rope = self.rotary(q_pos) if self.rotary is not None else None
+    def _attention_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype):
+        """RoPE (cos, sin) for the queries/keys and the ALiBi bias, once per forward. The angles are
+        computed in fp32 and cast once to the activations' dtype (not once per layer)."""
+        rope = tuple(t.to(dtype) for t in self.rotary(q_pos)) if self.rotary is not None else None
         bias = alibi_bias(self.alibi_slopes, q_pos, k_pos) if self.alibi_slopes is not None else None
         return rope, bias
 
@@ -214,8 +215,8 @@ class EncoderDecoder(TransformerBase):
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """src (B, S) ids; src_mask (B, S) bool, True for real tokens → memory (B, S, d)."""
         pos = torch.arange(src.shape[1], device=src.device)
-        rope, bias = self._attention_positions(pos, pos)
         x = self.src_embed(src, pos)
+        rope, bias = self._attention_positions(pos, pos, x.dtype)
         mask = padding_mask(src_mask) if src_mask is not None else None
         return self.encoder(x, mask, rope=rope, bias=bias)
 
@@ -229,8 +230,8 @@ class EncoderDecoder(TransformerBase):
         past = cache.length if cache is not None else 0
         T = tgt.shape[1]
         pos = torch.arange(past, past + T, device=tgt.device)
-        rope, bias = self._attention_positions(pos, torch.arange(past + T, device=tgt.device))
         x = self.tgt_embed(tgt, pos)
+        rope, bias = self._attention_positions(pos, torch.arange(past + T, device=tgt.device), x.dtype)
         mask, is_causal = decoder_self_mask(tgt_mask, T, past, tgt.device)
         memory_mask = padding_mask(src_mask) if src_mask is not None else None
         h = self.decoder(x, memory, mask=mask, is_causal=is_causal, memory_mask=memory_mask,
@@ -270,8 +271,8 @@ class DecoderOnly(TransformerBase):
         k_pos = _key_positions(attention_mask, past + T, ids.device)
         if positions is None:
             positions = k_pos[..., past:]
-        rope, bias = self._attention_positions(positions, k_pos)
         x = self.embed(ids, positions)
+        rope, bias = self._attention_positions(positions, k_pos, x.dtype)
         mask, is_causal = decoder_self_mask(attention_mask, T, past, ids.device)
         h = self.decoder(x, mask=mask, is_causal=is_causal, rope=rope, bias=bias, cache=cache)
         return self.lm_head(h[:, -1] if last_only else h)
@@ -301,8 +302,8 @@ class EncoderOnly(TransformerBase):
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """ids (B, T) → hidden states (B, T, d)."""
         pos = torch.arange(ids.shape[1], device=ids.device)
-        rope, bias = self._attention_positions(pos, pos)
         x = self.embed(ids, pos, token_type_ids)
+        rope, bias = self._attention_positions(pos, pos, x.dtype)
         mask = padding_mask(attention_mask) if attention_mask is not None else None
         return self.encoder(x, mask, rope=rope, bias=bias)
 

@@ -1,0 +1,64 @@
+"""F.linear (MKL) vs attnlab's Linear with oneDNN pre-packed weights, CPU inference, side by side.
+
+Two workloads: one SmolLM2-135M decode step (the 211 matrix-vector products of its 30 layers and its
+output projection, batch 1) and the (rows × 256) products of batched translation with the issue's
+Marian-size model (64 sentences greedy, 256 rows for beam 4). fp32 and bf16; best of N.
+
+    python benchmarks/linear_kernels.py [--repeats 10]
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.model import linear as linear_mod
+from attnlab.model.linear import Linear
+
+SMOLLM2 = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (in, out)
+MARIAN = [(256, 768), (256, 256), (256, 256), (256, 1024), (1024, 256)] * 3 + [(256, 8000)]
+
+
+def best(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    results = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    for name, shapes, rows in (("smollm2_decode_step", SMOLLM2, 1), ("marian_step_64_rows", MARIAN, 64),
+                               ("marian_step_256_rows", MARIAN, 256)):
+        for dtype in (torch.float32, torch.bfloat16):
+            layers = [Linear(i, o, bias=False).to(dtype) for i, o in shapes]
+            xs = {i: torch.randn(rows, i, dtype=dtype) for i, _ in shapes}
+            with torch.inference_mode():
+                def plain():
+                    return [F.linear(xs[m.in_features], m.weight) for m in layers]
+
+                def packed():
+                    return [m(xs[m.in_features]) for m in layers]
+                assert linear_mod.PACKED and linear_mod._ONEDNN, "packed path unavailable"
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(plain(), packed()))
+                t_plain, t_packed = best(plain, args.repeats), best(packed, args.repeats)
+            nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+            key = f"{name}_{'fp32' if dtype == torch.float32 else 'bf16'}"
+            results[key] = {"F.linear_ms": round(t_plain * 1e3, 2), "packed_ms": round(t_packed * 1e3, 2),
+                            "speedup": round(t_plain / t_packed, 2), "packed_GBps": round(nbytes / t_packed / 1e9, 1),
+                            "max_abs_diff": err}
+            print(key, json.dumps(results[key]), flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

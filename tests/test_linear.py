@@ -1,0 +1,75 @@
+"""The pre-packed CPU inference path of attnlab's Linear against F.linear (the oracle)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.model import linear as linear_mod
+from attnlab.model.linear import Linear
+
+pytestmark = pytest.mark.skipif(not linear_mod._ONEDNN, reason="oneDNN not in this PyTorch build")
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (2, 5, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_equals_f_linear(shape, bias):
+    torch.manual_seed(0)
+    lin = Linear(48, 80, bias=bias)
+    if bias:
+        torch.nn.init.normal_(lin.bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        out = lin(x)
+        assert linear_mod._packed.get(lin) is not None  # the packed path was taken
+        torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        lin_bf16, xb = lin.to(torch.bfloat16), x.bfloat16()
+        torch.testing.assert_close(lin_bf16(xb).float(), F.linear(xb, lin_bf16.weight, lin_bf16.bias).float(),
+                                   atol=2e-2, rtol=2e-2)
+
+
+def test_packed_weight_follows_in_place_updates():
+    torch.manual_seed(0)
+    lin = Linear(16, 8)
+    x = torch.randn(3, 16)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    with torch.no_grad():
+        before = lin(x)
+    lin(x).square().sum().backward()  # grad enabled: the plain path, gradients flow
+    assert lin.weight.grad is not None
+    opt.step()  # in-place update: the packed copy must be renewed
+    with torch.no_grad():
+        after = lin(x)
+        assert not torch.allclose(before, after)
+        torch.testing.assert_close(after, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        lin.weight.copy_(torch.zeros_like(lin.weight))
+        torch.testing.assert_close(lin(x), lin.bias.expand(3, 8))
+
+
+def test_autocast_still_chooses_the_dtype():
+    lin = Linear(16, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lin(torch.randn(2, 16)).dtype == torch.bfloat16
+
+
+def test_model_logits_with_and_without_packing(monkeypatch):
+    from attnlab.config import get_preset
+    from attnlab.model import build_model
+    torch.manual_seed(0)
+    model = build_model(get_preset("llama-mini", vocab_size=300, n_decoder_layers=2)).eval()
+    ids = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        packed = model(ids)
+        monkeypatch.setattr(linear_mod, "PACKED", False)
+        plain = model(ids)
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_dtype_round_trip_never_reuses_a_stale_pack():
+    torch.manual_seed(0)
+    lin = Linear(32, 32)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        lin(x)
+        for _ in range(3):  # fp32 → bf16 → fp32 without a call in between: the weights were rounded
+            lin.to(torch.bfloat16).to(torch.float32)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
