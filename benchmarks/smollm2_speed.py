@@ -3,7 +3,10 @@ same (dequantised GGUF) weights, in fp32 and bf16, side by side in one run. Also
 memory-bandwidth bound (bytes of weights read per token ÷ measured copy bandwidth) and, when
 llama-cpp-python is installed, llama.cpp on the same GGUF file as the outside reference.
 
-    python benchmarks/smollm2_speed.py [--tokens 128] [--repeats 2] [--threads 2]
+    python benchmarks/smollm2_speed.py [--tokens 128] [--repeats 2] [--threads 2] [--compile]
+
+--compile also times ``generate(..., compile=True)`` (torch.compile of the decode step; the
+compilation time is reported separately, as ``compile_s``).
 """
 
 import argparse
@@ -16,7 +19,7 @@ PROMPT = "The Transformer architecture"
 
 
 def copy_bandwidth(size_mb=512, repeats=5):
-    """Bytes moved per second by a large tensor copy (read + write)."""
+    """Bytes moved per second by a large tensor copy (read + write), best of ``repeats``."""
     src = torch.empty(size_mb * 2 ** 20 // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -64,6 +67,9 @@ def main():
         def run_hf():
             with torch.no_grad():
                 return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True)[0, ids.shape[1]:].tolist()
+        def run_compiled():
+            return generate(ours.model, ids, max_new_tokens=n, min_new_tokens=n, compile=True).sequences[0]
+
         a, b = run_ours(), run_hf()  # warm-up, and the outputs must agree
         t_ours = min(_time(run_ours) for _ in range(args.repeats))
         t_hf = min(_time(run_hf) for _ in range(args.repeats))
@@ -71,6 +77,14 @@ def main():
         row = {"attnlab_tok_s": round(n / t_ours, 1), "transformers_tok_s": round(n / t_hf, 1),
                "speedup": round(t_hf / t_ours, 2), "bandwidth_bound_tok_s": round(bound, 1),
                "attnlab_fraction_of_bound": round(n / t_ours / bound, 2), "same_tokens": a == b}
+        if args.compile:
+            t0 = time.perf_counter()
+            c = run_compiled()  # the first call compiles
+            row["compile_s"] = round(time.perf_counter() - t0, 1)
+            t_comp = min(_time(run_compiled) for _ in range(args.repeats))
+            row.update({"attnlab_compiled_tok_s": round(n / t_comp, 1), "compiled_speedup": round(t_hf / t_comp, 2),
+                        "compiled_fraction_of_bound": round(n / t_comp / bound, 2),
+                        "compiled_same_tokens_as_eager": c == a, "compiled_same_tokens_as_transformers": c == b})
         results[name] = row
         print(name, json.dumps(row), flush=True)
     try:

@@ -1,5 +1,6 @@
 """Generation: KV cache equals no cache, beam search properties, batching, sampling."""
 import math
+import shutil
 
 import pytest
 import torch
@@ -169,3 +170,26 @@ def test_length_penalty_is_gnmt():
     assert length_penalty(1, 0.6) == 1.0
     assert math.isclose(length_penalty(7, 0.6), 2.0 ** 0.6)
     assert length_penalty(10, 0.0) == 1.0
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_decode_step_matches_eager_in_bf16():
+    """The compiled step (inductor, frozen weights) gives the eager step's logits; the fp32 CPU
+    case keeps the (faster) eager step."""
+    from attnlab.generate.search import DecoderOnlyStepper
+    torch.manual_seed(0)
+    model = model_for("decoder-only", "rope", n_kv_heads=2).eval()
+    with pytest.warns(UserWarning, match="compile skipped"):
+        assert DecoderOnlyStepper(model, torch.ones(1, 3, dtype=torch.long), None, compile=True).decode is model
+    model = model.to(torch.bfloat16)
+    prompt = torch.randint(4, model.config.vocab_size, (2, 5))
+    with torch.inference_mode():
+        eager = DecoderOnlyStepper(model, prompt, None, capacity=16)
+        compiled = DecoderOnlyStepper(model, prompt, None, capacity=16, compile=True)
+        tok = None
+        for _ in range(4):
+            a, b = eager.step(tok), compiled.step(tok)
+            torch.testing.assert_close(b, a, atol=3e-2, rtol=3e-2)
+            tok = a.argmax(-1, keepdim=True)
+    out = generate(model, prompt, max_new_tokens=6, min_new_tokens=6, compile=True)
+    assert [len(s) for s in out.sequences] == [6, 6]

@@ -111,3 +111,79 @@ def test_label_files_errors_name_the_line(tmp_path):
     c.write_text('label,review\n1,"nice, clean room"\n0,dirty\n')
     data = read_labeled(c)
     assert data.labels == ["1", "0"] and data.texts[0] == "nice, clean room"
+
+
+def test_mask_tokens_follows_bert_15_percent_80_10_10():
+    from attnlab.train.tasks import mask_tokens
+    g = torch.Generator().manual_seed(0)
+    V, n_special, mask_id = 1000, 5, 4
+    ids = torch.randint(n_special, V, (400, 250), generator=g)
+    ids[:, 0], ids[:, -1] = 1, 2  # BOS/EOS: never chosen
+    is_token = torch.ones_like(ids, dtype=torch.bool)
+    is_token[::2, 200:] = False  # padding: never chosen
+    ids[~is_token] = 0
+    inputs, labels = mask_tokens(ids, is_token, mask_id, V, n_special, g)
+    chosen = labels != -100
+    candidates = is_token & (ids >= n_special)
+    assert not chosen[~candidates].any()
+    assert torch.equal(labels[chosen], ids[chosen]) and torch.equal(inputs[~chosen], ids[~chosen])
+    assert abs(chosen.sum().item() / candidates.sum().item() - 0.15) < 0.005
+    masked = (inputs[chosen] == mask_id).float().mean().item()
+    kept = (inputs[chosen] == ids[chosen]).float().mean().item()
+    replaced = 1 - masked - kept
+    assert abs(masked - 0.8) < 0.01 and abs(kept - 0.1) < 0.01 and abs(replaced - 0.1) < 0.01
+    assert (inputs[chosen & (inputs != mask_id)] >= n_special).all()  # random tokens are never specials
+
+
+@pytest.fixture(scope="module")
+def sentences(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mlm")
+    src = SHARED / "sst2" / "train.tsv.gz"
+    if src.exists():
+        lines = [l.split("\t")[0] for l in gzip.open(src, "rt", encoding="utf-8").read().splitlines()[1:6001]]
+    else:
+        from attnlab.demo import corpus_dir
+        lines = [l.split("\t")[0] for l in (corpus_dir() / "dev.tsv").read_text().splitlines()] * 4
+    (d / "sentences.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return d / "sentences.txt"
+
+
+def test_mlm_pretraining_learns_and_initialises_a_classifier(sentences, tmp_path, capsys):
+    from collections import Counter
+
+    from attnlab.data.tokenizer import Tokenizer
+    from attnlab.modeldir import load
+    lines = sentences.read_text().splitlines()
+    (tmp_path / "train.txt").write_text("\n".join(lines[:-500]) + "\n")
+    (tmp_path / "dev.txt").write_text("\n".join(lines[-500:]) + "\n")
+    out = tmp_path / "mlm"
+    tiny = ["--set", "d_model=64", "--set", "n_heads=4", "--set", "d_ff=128", "--set", "n_encoder_layers=2"]
+    assert main(["train", "--task", "mlm", "--train", str(tmp_path / "train.txt"), "--dev", str(tmp_path / "dev.txt"),
+                 "--out", str(out), "--vocab-size", "1000", "--max-steps", "800", "--lr", "3e-3", "--warmup", "30",
+                 "--schedule", "cosine", "--max-tokens", "3000", "--batch-size", "128", "--eval-every", "800",
+                 "--no-progress", "--max-len", "64", *tiny]) == 0
+    # The oracle: the best context-free guess, unigram frequencies of the training tokens. Beating it
+    # means the encoder uses the context around each [MASK].
+    tok = Tokenizer.load(out / "tokenizer.json")
+    counts = Counter(t for ids in tok.encode_batch(lines[:-500]) for t in ids)
+    total, V = sum(counts.values()), tok.vocab_size
+    dev_ids = [t for ids in tok.encode_batch(lines[-500:]) for t in ids]
+    unigram = sum(-math.log((counts[t] + 1) / (total + V)) for t in dev_ids) / len(dev_ids)
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    dev = [r for r in rows if "dev_mlm_loss" in r][-1]
+    assert dev["dev_mlm_loss"] < unigram - 0.25, (dev, unigram)
+    capsys.readouterr()
+    assert main(["evaluate", "--model", str(out), "--data", str(tmp_path / "dev.txt"), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["mlm_loss"] == pytest.approx(dev["dev_mlm_loss"], abs=1e-3) and r["masked_tokens"] > 100
+    # The pretrained directory initialises a classifier (same tokenizer, encoder weights copied).
+    train, _, _ = _classification_data(tmp_path)
+    clf = tmp_path / "clf"
+    assert main(["train", "--task", "classify", "--init", str(out), "--train", str(train), "--out", str(clf),
+                 "--max-steps", "1", "--lr", "1e-12", "--warmup", "1", "--eval-every", "0", "--no-progress"]) == 0
+    mlm_model, _, _ = load(out)
+    clf_model, _, _ = load(clf)
+    assert clf_model.config.n_classes == 2
+    for name, p in mlm_model.encoder.state_dict().items():
+        torch.testing.assert_close(clf_model.encoder.state_dict()[name], p, atol=1e-6, rtol=0)
+    assert (clf / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()

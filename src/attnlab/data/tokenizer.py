@@ -29,6 +29,15 @@ class Tokenizer:
         self.unk_id = unk_id if unk_id is not None else own[3]
 
     @property
+    def mask_id(self) -> int | None:
+        """The [MASK] token of masked-LM pretraining (attnlab's ``<mask>``, BERT's ``[MASK]``)."""
+        for t in ("<mask>", "[MASK]"):
+            i = self.tk.token_to_id(t)
+            if i is not None:
+                return i
+        return None
+
+    @property
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size()
 
@@ -71,8 +80,10 @@ class Tokenizer:
         return self.tk.to_str()
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
-    """BPE over the texts (training split only) with metaspace pre-tokenisation and byte fallback."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
+                    extra_specials: tuple[str, ...] = ()) -> Tokenizer:
+    """BPE over the texts (training split only) with metaspace pre-tokenisation and byte fallback.
+    ``extra_specials`` (e.g. ``("<mask>",)`` for masked-LM pretraining) follow the four specials."""
     from tokenizers import Tokenizer as TK
     from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -83,7 +94,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
                                                                                 prepend_scheme="always")])
     byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=SPECIALS + byte_tokens, show_progress=False)
+                                  special_tokens=SPECIALS + list(extra_specials) + byte_tokens,
+                                  show_progress=False)
     tk.train_from_iterator(texts, trainer)
     return Tokenizer(tk)
 

@@ -11,7 +11,8 @@ The packed weight is a cache, never state: it is made on the first call that can
 again whenever the weight changes (PyTorch bumps a tensor's version counter on every in-place
 update, e.g. an optimizer step), so training, ``load_state_dict`` and ``.to()`` stay correct.
 It is used only where nothing needs gradients — inference (``torch.no_grad()`` / ``inference_mode``)
-— on CPU, in fp32 or bf16, and outside autocast (which must keep choosing the compute dtype). It
+— on CPU, in fp32 or bf16, outside autocast (which must keep choosing the compute dtype) and outside ``torch.compile``
+(which packs weights itself when it freezes them). It
 costs one extra copy of the weights in memory while in use; set ``ATTNLAB_PACKED_LINEAR=0`` (or
 ``attnlab.model.linear.PACKED = False``) to turn it off.
 """
@@ -49,7 +50,7 @@ class Linear(nn.Linear):
         if (PACKED and _ONEDNN and x.device.type == "cpu" and x.dtype == w.dtype
                 and w.dtype in (torch.float32, torch.bfloat16) and x.dim() >= 2 and x.numel()
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
-                and not torch.is_autocast_enabled("cpu")):
+                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
             try:
                 # In-place updates bump the version; .to() and .data = swap the storage.
                 key = (w._version, w.data_ptr(), w.dtype)

@@ -268,11 +268,20 @@ class ClassificationTask:
             dev = type(train)([train.labels[i] for i in sorted(dev_idx)], [train.texts[i] for i in sorted(dev_idx)], train.source)
             train = type(train)([train.labels[i] for i in train_idx], [train.texts[i] for i in train_idx], train.source)
         self.init = None
-        if args.init:
+        self.add_bos = True  # attnlab's tokenizers: BOS is the pooled ([CLS]) position
+        if args.init and (Path(args.init) / "config.json").exists():  # e.g. a `--task mlm` directory
+            from ..modeldir import load
+            from ..pretrained import Pretrained
+            model, tok, _ = load(args.init)
+            if model.config.family != "encoder-only":
+                raise DataError(f"--init {args.init}: a {model.config.family} model cannot initialise a classifier")
+            self.init, self.tok = Pretrained(model, tok), tok
+        elif args.init:
             from ..pretrained import load_pretrained
             self.init = load_pretrained(args.init)
             self.tok = self.init.tokenizer
             self.tok.tk.enable_truncation(min(args.max_len, self.init.model.config.max_len))
+            self.add_bos = False  # the pretrained tokenizer adds [CLS] … [SEP] itself
         elif (out / "tokenizer.json").exists() and args.resume:
             self.tok = Tokenizer.load(out / "tokenizer.json")
         else:
@@ -287,8 +296,7 @@ class ClassificationTask:
             f"labels {self.labels}")
 
     def _encode(self, texts):
-        # the pretrained tokenizer adds [CLS] … [SEP] itself; ours gets BOS as the pooled position
-        return encode_for_classifier(self.tok, texts, {"add_bos": self.init is None, "max_len": self.args.max_len})
+        return encode_for_classifier(self.tok, texts, {"add_bos": self.add_bos, "max_len": self.args.max_len})
 
     has_dev = True
 
@@ -314,14 +322,14 @@ class ClassificationTask:
 
     def save_artifacts(self, out: Path) -> dict:
         return {"tokenizer": self.tok, "task": {"task": "classify", "labels": self.labels,
-                                                "add_bos": self.init is None, "max_len": self.args.max_len,
+                                                "add_bos": self.add_bos, "max_len": self.args.max_len,
                                                 "init": self.args.init}}
 
     def batch(self, trainer):
         if not hasattr(self, "_it"):
             self._it = self.batches.iterate(trainer)
         b = next(self._it)
-        pad = 0 if self.init is None else self.init.model.config.pad_id
+        pad = self.tok.pad_id if self.add_bos else self.init.model.config.pad_id
         x = pad_batch([self.train_x[i] for i in b], pad)
         mask = torch.zeros_like(x, dtype=torch.bool)
         for j, i in enumerate(b):
@@ -366,7 +374,145 @@ def predict_classes(model, encoded: list[list[int]], device, bf16: bool = False,
     return pred, prob
 
 
-TASKS = {"translation": TranslationTask, "lm": LanguageModelTask, "classify": ClassificationTask}
+# -- masked-language-model pretraining --------------------------------------------------------------
+
+
+def mask_tokens(ids: torch.Tensor, is_token: torch.Tensor, mask_id: int, vocab_size: int, n_special: int,
+                generator: torch.Generator, p: float = 0.15) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's corruption (Devlin et al. 2019, §3.1): choose 15% of the real tokens as prediction
+    targets; of those, 80% become [MASK], 10% a random token and 10% stay unchanged, so the model
+    cannot learn that only [MASK] positions matter (there is no [MASK] at fine-tuning time).
+    Padding and special tokens (ids < ``n_special``) are never chosen.
+    Returns (inputs, labels) with labels = the original id at chosen positions, -100 elsewhere."""
+    chosen = (torch.rand(ids.shape, generator=generator) < p) & is_token & (ids >= n_special)
+    labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+    r = torch.rand(ids.shape, generator=generator)
+    random_ids = torch.randint(n_special, vocab_size, ids.shape, generator=generator)
+    inputs = torch.where(chosen & (r < 0.8), torch.full_like(ids, mask_id), ids)
+    inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), random_ids, inputs)
+    return inputs, labels
+
+
+class MaskedLMTask:
+    """Encoder-only masked-language-model pretraining (BERT) on plain text, one example per line
+    (``<s>`` … ``</s>``, truncated to ``--max-len``), token-budget batches, fresh masks every step
+    drawn from (seed, step, micro-batch, rank) so resume is exact. The pretrained directory can then
+    initialise a classifier: ``attnlab train --task classify --init DIR``."""
+    name = "mlm"
+    default_preset = "bert-mini"
+    default_label_smoothing = 0.0
+    mask_prob = 0.15
+
+    def prepare(self, args, out: Path, log) -> None:
+        lines = [l.strip() for l in read_text(args.train).splitlines() if l.strip()]
+        if args.dev:
+            dev = [l.strip() for l in read_text(args.dev).splitlines() if l.strip()]
+        else:  # a seeded share of the lines is held out
+            perm = torch.randperm(len(lines), generator=torch.Generator().manual_seed(args.seed)).tolist()
+            n_dev = max(1, int(len(lines) * args.val_fraction))
+            dev, lines = [lines[i] for i in sorted(perm[:n_dev])], [lines[i] for i in sorted(perm[n_dev:])]
+        if (out / "tokenizer.json").exists() and (args.resume or args.reuse_tokenizer):
+            self.tok = Tokenizer.load(out / "tokenizer.json")
+        else:
+            self.tok = train_tokenizer(lines, args.vocab_size, extra_specials=("<mask>",))
+        if self.tok.mask_id is None:
+            raise DataError(f"{out / 'tokenizer.json'}: the tokenizer has no <mask> token")
+        self.n_special = max(self.tok.pad_id, self.tok.bos_id, self.tok.eos_id, self.tok.unk_id, self.tok.mask_id) + 1
+        self.args = args
+        self.train_x, self.dev_x = self._encode(lines), self._encode(dev)
+        self.batches = _ListBatches(TokenBatchSampler([len(x) for x in self.train_x], [1] * len(self.train_x),
+                                                      args.max_tokens, seed=args.seed, max_sentences=args.batch_size))
+        log(f"masked-LM data: {len(self.train_x):,} train / {len(self.dev_x):,} dev lines, "
+            f"vocabulary {self.tok.vocab_size}")
+
+    def _encode(self, lines):
+        n = self.args.max_len - 2
+        return [[self.tok.bos_id] + ids[:n] + [self.tok.eos_id] for ids in self.tok.encode_batch(lines)]
+
+    has_dev = True
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train_x)
+
+    def model_config(self, args) -> TransformerConfig:
+        over = dict(args.config_overrides, vocab_size=self.tok.vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3)
+        cfg = load_config(args.preset or self.default_preset, **over)
+        if cfg.family != "encoder-only":
+            raise DataError(f"--task mlm needs an encoder-only preset, {args.preset!r} is {cfg.family}")
+        if cfg.positions == "learned" and cfg.max_len < args.max_len:
+            cfg = cfg.replace(max_len=args.max_len)
+        return cfg
+
+    def save_artifacts(self, out: Path) -> dict:
+        return {"tokenizer": self.tok, "task": {"task": "mlm", "max_len": self.args.max_len}}
+
+    def _masked(self, rows: list[list[int]], g: torch.Generator):
+        x = pad_batch(rows, self.tok.pad_id)
+        is_token = torch.zeros_like(x, dtype=torch.bool)
+        for j, r in enumerate(rows):
+            is_token[j, : len(r)] = True
+        inputs, labels = mask_tokens(x, is_token, self.tok.mask_id, self.tok.vocab_size, self.n_special, g,
+                                     self.mask_prob)
+        return inputs, is_token, labels
+
+    def batch(self, trainer):
+        if not hasattr(self, "_it"):
+            self._it = self.batches.iterate(trainer)
+        micro = getattr(self, "_micro", 0)
+        self._micro = micro + 1
+        g = torch.Generator().manual_seed(
+            hash((self.args.seed, trainer.step, micro % self.args.update_freq, trainer.rank, "mlm")) % 2 ** 62)
+        return self._masked([self.train_x[i] for i in next(self._it)], g)
+
+    def loss(self, forward, batch, smoothing):
+        inputs, is_token, labels = batch
+        targets = labels != -100
+        logits = forward(inputs, is_token, targets)  # (n_targets, V): the head runs on targets only
+        n = int(targets.sum())
+        if n == 0:  # a batch where no token was drawn: nothing to learn, keep the graph connected
+            return logits.sum() * 0.0, 0, int(is_token.sum())
+        return F.cross_entropy(logits.float(), labels[targets], label_smoothing=smoothing), n, int(is_token.sum())
+
+    @torch.no_grad()
+    def evaluate(self, model, device, bf16) -> dict:
+        return mlm_scores(model, self.dev_x, self.tok, self.n_special, device, bf16, seed=self.args.seed)
+
+    def describe(self, r: dict) -> str:
+        return f"dev masked-LM loss {r['dev_mlm_loss']:.4f}  accuracy {r['dev_mlm_accuracy']:.4f}"
+
+
+@torch.no_grad()
+def mlm_scores(model, encoded: list[list[int]], tok, n_special: int, device, bf16: bool = False, seed: int = 1,
+               batch_size: int = 64) -> dict:
+    """Masked-LM loss and accuracy on the chosen positions, with masks drawn from a fixed seed (so
+    evaluations of different checkpoints see the same corruption)."""
+    was = model.training
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    total, correct, count = 0.0, 0, 0
+    for s in range(0, len(encoded), batch_size):
+        rows = encoded[s: s + batch_size]
+        x = pad_batch(rows, tok.pad_id)
+        is_token = torch.zeros_like(x, dtype=torch.bool)
+        for j, r in enumerate(rows):
+            is_token[j, : len(r)] = True
+        inputs, labels = mask_tokens(x, is_token, tok.mask_id, tok.vocab_size, n_special, g)
+        targets = labels != -100
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model.mlm_logits(model(inputs.to(device), is_token.to(device))[targets.to(device)]).float()
+        y = labels[targets].to(device)
+        total += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += int((logits.argmax(-1) == y).sum())
+        count += len(y)
+    model.train(was)
+    loss = total / max(count, 1)
+    return {"dev_mlm_loss": round(loss, 4), "dev_mlm_accuracy": round(correct / max(count, 1), 4),
+            "dev_mlm_ppl": round(math.exp(min(loss, 50)), 3), "score": -loss, "tokens": count}
+
+
+TASKS = {"translation": TranslationTask, "lm": LanguageModelTask, "classify": ClassificationTask,
+         "mlm": MaskedLMTask}
 
 
 def save_task_info(out: Path, info: dict) -> None:

@@ -36,7 +36,7 @@ class TrainArgs:
     zh_simplified: bool = False     # OpenCC Traditional → Simplified on the Chinese target
     label_col: int | None = None    # classify: column of the label (default: found from the header)
     text_col: int | None = None     # classify: column of the text
-    init: str = ""                  # classify: start from a pretrained encoder, e.g. minilm
+    init: str = ""                  # classify: start from a pretrained encoder: minilm, or a model directory (e.g. --task mlm)
     tokenizer: str = "bpe"          # lm: char | bpe
     block_size: int = 256           # lm: tokens per training sequence
     batch_size: int = 32            # lm: sequences per batch; classify: max sentences per batch
@@ -166,9 +166,10 @@ class Trainer:
             self.ddp_model = DistributedDataParallel(self.model, device_ids=[self.device.index]
                                                      if self.device.type == "cuda" else None)
         self.forward = torch.compile(self.ddp_model) if args.compile else self.ddp_model
-        if args.task == "classify":
+        if args.task in ("classify", "mlm"):  # the heads run outside the (DDP) module's forward
             inner = self.forward
-            self.forward = lambda x, mask: self._classify(inner, x, mask)
+            self.forward = ((lambda x, mask: self._classify(inner, x, mask)) if args.task == "classify" else
+                            (lambda x, mask, targets: self.model.mlm_logits(inner(x, mask)[targets])))
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.elapsed_before = 0.0
         self.best, self.bad_evals = None, 0
