@@ -5,7 +5,9 @@ nanoGPT README: `python train.py config/train_shakespeare_char.py --device=cpu -
 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0` — "val loss 1.88". attnlab runs the same
 model and recipe (`--preset shakespeare-char`): 4 layers, 4 heads, d 128, block 64, batch 12, 2000
 iterations, lr 1e-3 cosine to 1e-4 after 100 warmup, dropout 0, AdamW(0.9, 0.99), weight decay 0.1,
-clip 1.0, the first 90% of the characters for training and the last 10% for validation.
+clip 1.0, the first 90% of the characters for training and the last 10% for validation. A third
+attnlab run keeps everything but trains 2500 iterations (`--time-matched-steps`): what attnlab's faster
+steps buy within nanoGPT's wall time.
 
     python benchmarks/shakespeare_nanogpt.py --nanogpt /path/to/nanoGPT [--data ../shared/data/tinyshakespeare]
 
@@ -29,6 +31,9 @@ def main():
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"))
     ap.add_argument("--out", default="runs/shakespeare-char")
     ap.add_argument("--skip-nanogpt", action="store_true")
+    ap.add_argument("--time-matched-steps", type=int, default=2500,
+                    help="the same model, batch and schedule shape with more iterations: as many as attnlab's "
+                         "faster steps fit in less wall time than nanoGPT's 2000 (bf16: ~1.3x faster per step)")
     args = ap.parse_args()
     text = gzip.open(Path(args.data) / "input.txt.gz", "rt", encoding="utf-8").read()
     out = Path(args.out)
@@ -58,20 +63,21 @@ def main():
         results["nanogpt"].update(json.loads(ev.stdout.strip().splitlines()[-1]))
         print("nanoGPT", json.dumps(results["nanogpt"]), flush=True)
 
-    for bf16 in (False, True):
-        name = "attnlab_bf16" if bf16 else "attnlab_fp32"
-        results[name] = run_attnlab(out, out / name, bf16)
+    runs = {"attnlab_fp32": (False, 2000), "attnlab_bf16": (True, 2000),
+            f"attnlab_bf16_{args.time_matched_steps}_steps": (True, args.time_matched_steps)}
+    for name, (bf16, steps) in runs.items():
+        results[name] = run_attnlab(out, out / name, bf16, steps)
         print(name, json.dumps(results[name]), flush=True)
     if "nanogpt" in results:
-        for name in ("attnlab_fp32", "attnlab_bf16"):
+        for name in runs:
             results[name]["wall_time_ratio_nanogpt_over_attnlab"] = round(results["nanogpt"]["wall_s"] / results[name]["wall_s"], 2)
     print(json.dumps(results))
 
 
-def run_attnlab(out, model_dir, bf16):
+def run_attnlab(out, model_dir, bf16, steps=2000):
     cmd = [sys.executable, "-m", "attnlab", "train", "--task", "lm", "--train", str(out / "input.txt"),
            "--out", str(model_dir), "--preset", "shakespeare-char", "--tokenizer", "char", "--block-size", "64",
-           "--batch-size", "12", "--max-steps", "2000", "--lr", "1e-3", "--min-lr", "1e-4", "--schedule", "cosine",
+           "--batch-size", "12", "--max-steps", str(steps), "--lr", "1e-3", "--min-lr", "1e-4", "--schedule", "cosine",
            "--warmup", "100", "--betas", "0.9", "0.99", "--eps", "1e-8", "--weight-decay", "0.1", "--clip-norm", "1.0",
            "--eval-every", "250", "--eval-batches", "240", "--save-every", "0", "--no-progress"] + (["--bf16"] if bf16 else [])
     t0 = time.time()
