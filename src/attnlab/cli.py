@@ -61,7 +61,8 @@ def _add_generation_flags(p, sampling: bool = False) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--compile", dest="compile_step", action="store_true",
                    help="torch.compile the decode step (about a minute to compile a 30-layer model on "
-                        "2 CPU cores, then the fastest decoding; for long or repeated generation)")
+                        "2 CPU cores, then the fastest bf16 decoding; for long or repeated generation; "
+                        "skipped on CPU in fp32, where the eager path is faster)")
     if sampling:
         g.add_argument("--sample", action="store_true", help="sample instead of greedy/beam")
         g.add_argument("--temperature", type=float, default=1.0)
@@ -372,6 +373,8 @@ EXAMPLES = {
     "train": ("attnlab train --train data/train.tsv.gz --dev data/dev.tsv --out runs/enzh --minutes 30 --bf16\n"
               "  attnlab train --task lm --preset shakespeare-char --tokenizer char --train input.txt --out runs/sh\n"
               "  attnlab train --task classify --init minilm --train sst2/train.tsv.gz --out runs/sst2\n"
+              "  attnlab train --task mlm --train sentences.txt --out runs/mlm --max-len 64 --max-steps 4000 --bf16\n"
+              "  attnlab train --task classify --init runs/mlm --train sst2/train.tsv.gz --out runs/sst2-mlm\n"
               "  attnlab train --train train.de.gz,train.en.gz --dev val.de.gz,val.en.gz --preset mt-small \\\n"
               "      --set d_model=384 --max-tokens 4000 --max-steps 20000\n"
               "  attnlab train --resume runs/enzh --minutes 60     # continue exactly where it stopped\n"
@@ -454,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=10.0, help="training time budget (default 10)")
     p.add_argument("--out", default="runs/demo", help="model directory (default runs/demo)")
     p.add_argument("--threads", type=int, default=None)
-    p = add("train", "train a model: translation (default), --task lm, --task classify", cmd_train)
+    p = add("train", "train a model: translation (default), --task lm, --task classify, --task mlm", cmd_train)
     _add_train_flags(p)
     p = add("translate", "translate sentences (stdin, --input file or --text) with a trained model", cmd_translate)
     p.add_argument("--model", required=True, help="model directory")
