@@ -2,19 +2,19 @@
 
 Why a subclass of ``nn.Linear`` at all: on CPU, PyTorch's ``F.linear`` goes to MKL, which reads the
 (out, in) weight in its stored layout at every call. oneDNN can instead *pre-pack* the weight once
-into the blocked layout its kernels stream best (this is what ``torch.compile`` does on CPU when it
-freezes weights). Measured on a 2-core AVX-512 machine (``benchmarks/linear_kernels.py``): 2.2×
-faster matrix-vector products in fp32 (SmolLM2's 211 decode-step projections: 33 → 15 ms), 2.4× in
-bf16 (15 → 6.4 ms), and 1.8–2.6× faster for the (64…256)-row products of batched translation.
+into the blocked layout its kernels stream best (what ``torch.compile`` does on CPU when it freezes
+weights). Measured side by side on a 2-core AVX-512 machine (``benchmarks/linear_kernels.py``):
+SmolLM2's 211 decode-step matrix-vector products 2.2–3.0× faster in fp32 and 1.3–2.1× in bf16; the
+64–256-row products of batched translation 2.4–2.8× in fp32, 1.1–1.7× in bf16.
 
 The packed weight is a cache, never state: it is made on the first call that can use it and made
 again whenever the weight changes (PyTorch bumps a tensor's version counter on every in-place
-update, e.g. an optimizer step), so training, ``load_state_dict`` and ``.to()`` stay correct.
-It is used only where nothing needs gradients — inference (``torch.no_grad()`` / ``inference_mode``)
-— on CPU, in fp32 or bf16, outside autocast (which must keep choosing the compute dtype) and outside ``torch.compile``
-(which packs weights itself when it freezes them). It
-costs one extra copy of the weights in memory while in use; set ``ATTNLAB_PACKED_LINEAR=0`` (or
-``attnlab.model.linear.PACKED = False``) to turn it off.
+update, e.g. an optimizer step; ``.to()`` and ``load_state_dict`` give new storage or a new
+version), so training and reloading stay correct. It is used only where nothing needs gradients
+(``torch.no_grad()`` / ``inference_mode``), on CPU, in fp32 or bf16, outside autocast (which must keep
+choosing the compute dtype) and outside ``torch.compile`` (which packs weights itself when it freezes
+them). It costs one extra copy of the weights in memory; ``ATTNLAB_PACKED_LINEAR=0`` (or
+``attnlab.model.linear.PACKED = False``) turns it off.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 PACKED = os.environ.get("ATTNLAB_PACKED_LINEAR", "1") != "0"
 _PACK_ROWS_HINT = 64  # packing for 64 rows serves 1…256-row inputs well (measured); 1 does not
-_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → (weight key, packed)
+_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → (source, key, packed)
 
 
 def _onednn_available() -> bool:

@@ -30,6 +30,18 @@ def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, pad_id: int 
     return loss, int((labels != ignore).sum())
 
 
+def _config_with_own_vocab(task, args, family: str, min_positions: int = 0, **extra) -> TransformerConfig:
+    """The preset with the task's own tokenizer (attnlab's special ids 0–3): checks the family and
+    lets learned positions cover the longest training sequence."""
+    over = dict(args.config_overrides, vocab_size=task.tok.vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3, **extra)
+    cfg = load_config(args.preset or task.default_preset, **over)
+    if cfg.family != family:
+        raise DataError(f"--task {task.name} needs a {family} preset, {args.preset!r} is {cfg.family}")
+    if cfg.positions == "learned" and cfg.max_len < min_positions:
+        cfg = cfg.replace(max_len=min_positions)
+    return cfg
+
+
 class _ListBatches:
     """Token-budget batches over a list of examples, epoch by epoch, from the trainer's saved data
     position. With N processes, process r takes batches r, r+N, … (one optimizer step sees
@@ -180,13 +192,7 @@ class LanguageModelTask:
         return len(self.train_ids)
 
     def model_config(self, args) -> TransformerConfig:
-        over = dict(args.config_overrides, vocab_size=self.tok.vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3)
-        cfg = load_config(args.preset or self.default_preset, **over)
-        if cfg.family != "decoder-only":
-            raise DataError(f"--task lm needs a decoder-only preset, {args.preset!r} is {cfg.family}")
-        if cfg.positions == "learned" and cfg.max_len < args.block_size:
-            cfg = cfg.replace(max_len=args.block_size)
-        return cfg
+        return _config_with_own_vocab(self, args, "decoder-only", min_positions=args.block_size)
 
     def save_artifacts(self, out: Path) -> dict:
         return {"tokenizer": self.tok, "task": {"task": "lm", "block_size": self.args.block_size,
@@ -308,12 +314,8 @@ class ClassificationTask:
         if self.init is not None:
             base = self.init.model.config
             return base.replace(n_classes=len(self.labels), **args.config_overrides)
-        over = dict(args.config_overrides, vocab_size=self.tok.vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
-                    n_classes=len(self.labels))
-        cfg = load_config(args.preset or self.default_preset, **over)
-        if cfg.family != "encoder-only":
-            raise DataError(f"--task classify needs an encoder-only preset, {args.preset!r} is {cfg.family}")
-        return cfg
+        return _config_with_own_vocab(self, args, "encoder-only", min_positions=args.max_len,
+                                      n_classes=len(self.labels))
 
     def init_weights(self, model) -> None:
         if self.init is not None:
@@ -436,13 +438,7 @@ class MaskedLMTask:
         return len(self.train_x)
 
     def model_config(self, args) -> TransformerConfig:
-        over = dict(args.config_overrides, vocab_size=self.tok.vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3)
-        cfg = load_config(args.preset or self.default_preset, **over)
-        if cfg.family != "encoder-only":
-            raise DataError(f"--task mlm needs an encoder-only preset, {args.preset!r} is {cfg.family}")
-        if cfg.positions == "learned" and cfg.max_len < args.max_len:
-            cfg = cfg.replace(max_len=args.max_len)
-        return cfg
+        return _config_with_own_vocab(self, args, "encoder-only", min_positions=args.max_len)
 
     def save_artifacts(self, out: Path) -> dict:
         return {"tokenizer": self.tok, "task": {"task": "mlm", "max_len": self.args.max_len}}
