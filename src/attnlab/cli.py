@@ -318,21 +318,31 @@ def cmd_generate(args) -> int:
                 max_new = min(max_new, model.config.max_len - x.shape[1])
             out: list[int] = []
             shown = ""
-            with torch.no_grad():
-                stepper = DecoderOnlyStepper(model, x, None, capacity=x.shape[1] + max_new + 1)
+            with torch.inference_mode():
+                stepper = DecoderOnlyStepper(model, x, None, capacity=x.shape[1] + max_new + 1,
+                                             compile=cfg.compile)
                 for _, t in stream_tokens(stepper, 1, None, cfg, model.config.eos_id, max_new, [ids]):
                     if t.item() == model.config.eos_id:
                         break
                     out.append(t.item())
-                    full = tok.decode(out)
+                    full = _continuation(tok, ids, out)
                     if not full.endswith("\ufffd"):  # wait for the rest of a multi-byte character
                         print(full[len(shown):], end="", flush=True)
                         shown = full
             print()
         else:
             res = generate(model, x, None, cfg)
-            print(prefix + tok.decode(res.sequences[0]))
+            print(prefix + _continuation(tok, ids, res.sequences[0]))
     return 0
+
+
+def _continuation(tok, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text the new tokens add to the prompt. Decoding them alone would lose the space a token
+    carries at its start (" Paris"); decoding prompt + continuation and cutting keeps it."""
+    raw = tok.tk.decode  # not Tokenizer.decode: a chat prompt holds end-of-turn tokens it would cut at
+    before = raw(list(prompt_ids), skip_special_tokens=False)
+    full = raw(list(prompt_ids) + list(new_ids), skip_special_tokens=False)
+    return full[len(before):] if full.startswith(before) else tok.decode(new_ids)
 
 
 def cmd_embed(args) -> int:
