@@ -197,17 +197,14 @@ def _evaluate_mlm(args, info) -> int:
 
     from .data.readers import read_text
     from .modeldir import load
-    from .train.tasks import mlm_scores
+    from .train.tasks import mlm_rows, mlm_scores
     if not args.data:
         raise ValueError("attnlab evaluate --task mlm needs --data TEXT_FILE (one example per line)")
     model, tok, _ = load(args.model, _device(args))
     if tok.mask_id is None:
         raise ValueError(f"{args.model}: its tokenizer has no <mask> token (not a --task mlm model)")
-    n = info.get("max_len", model.config.max_len) - 2
-    rows = [[tok.bos_id] + ids[:n] + [tok.eos_id]
-            for ids in tok.encode_batch([l.strip() for l in read_text(args.data).splitlines() if l.strip()])]
-    n_special = max(tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id, tok.mask_id) + 1
-    r = mlm_scores(model, rows, tok, n_special, model.device)
+    lines = [l.strip() for l in read_text(args.data).splitlines() if l.strip()]
+    r = mlm_scores(model, mlm_rows(tok, lines, info.get("max_len", model.config.max_len)), tok, model.device)
     out = {"mlm_loss": r["dev_mlm_loss"], "mlm_accuracy": r["dev_mlm_accuracy"], "masked_tokens": r["tokens"]}
     print(json.dumps(out) if args.json else f"masked-LM loss {out['mlm_loss']:.4f}  accuracy "
           f"{out['mlm_accuracy']:.4f}  ({out['masked_tokens']:,} masked tokens)")

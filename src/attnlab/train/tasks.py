@@ -395,6 +395,17 @@ def mask_tokens(ids: torch.Tensor, is_token: torch.Tensor, mask_id: int, vocab_s
     return inputs, labels
 
 
+def mlm_rows(tok, lines: list[str], max_len: int) -> list[list[int]]:
+    """One example per line: ``<s>`` ids ``</s>``, truncated to ``max_len`` tokens."""
+    n = max_len - 2
+    return [[tok.bos_id] + ids[:n] + [tok.eos_id] for ids in tok.encode_batch(lines)]
+
+
+def _n_special(tok) -> int:
+    """Ids below this are special (padding, <s>, </s>, <unk>, <mask>): never masked, never drawn."""
+    return max(tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id, tok.mask_id) + 1
+
+
 class MaskedLMTask:
     """Encoder-only masked-language-model pretraining (BERT) on plain text, one example per line
     (``<s>`` … ``</s>``, truncated to ``--max-len``), token-budget batches, fresh masks every step
@@ -419,17 +430,13 @@ class MaskedLMTask:
             self.tok = train_tokenizer(lines, args.vocab_size, extra_specials=("<mask>",))
         if self.tok.mask_id is None:
             raise DataError(f"{out / 'tokenizer.json'}: the tokenizer has no <mask> token")
-        self.n_special = max(self.tok.pad_id, self.tok.bos_id, self.tok.eos_id, self.tok.unk_id, self.tok.mask_id) + 1
+        self.n_special = _n_special(self.tok)
         self.args = args
-        self.train_x, self.dev_x = self._encode(lines), self._encode(dev)
+        self.train_x, self.dev_x = mlm_rows(self.tok, lines, args.max_len), mlm_rows(self.tok, dev, args.max_len)
         self.batches = _ListBatches(TokenBatchSampler([len(x) for x in self.train_x], [1] * len(self.train_x),
                                                       args.max_tokens, seed=args.seed, max_sentences=args.batch_size))
         log(f"masked-LM data: {len(self.train_x):,} train / {len(self.dev_x):,} dev lines, "
             f"vocabulary {self.tok.vocab_size}")
-
-    def _encode(self, lines):
-        n = self.args.max_len - 2
-        return [[self.tok.bos_id] + ids[:n] + [self.tok.eos_id] for ids in self.tok.encode_batch(lines)]
 
     has_dev = True
 
@@ -472,14 +479,14 @@ class MaskedLMTask:
 
     @torch.no_grad()
     def evaluate(self, model, device, bf16) -> dict:
-        return mlm_scores(model, self.dev_x, self.tok, self.n_special, device, bf16, seed=self.args.seed)
+        return mlm_scores(model, self.dev_x, self.tok, device, bf16, seed=self.args.seed)
 
     def describe(self, r: dict) -> str:
         return f"dev masked-LM loss {r['dev_mlm_loss']:.4f}  accuracy {r['dev_mlm_accuracy']:.4f}"
 
 
 @torch.no_grad()
-def mlm_scores(model, encoded: list[list[int]], tok, n_special: int, device, bf16: bool = False, seed: int = 1,
+def mlm_scores(model, encoded: list[list[int]], tok, device, bf16: bool = False, seed: int = 1,
                batch_size: int = 64) -> dict:
     """Masked-LM loss and accuracy on the chosen positions, with masks drawn from a fixed seed (so
     evaluations of different checkpoints see the same corruption)."""
@@ -493,7 +500,7 @@ def mlm_scores(model, encoded: list[list[int]], tok, n_special: int, device, bf1
         is_token = torch.zeros_like(x, dtype=torch.bool)
         for j, r in enumerate(rows):
             is_token[j, : len(r)] = True
-        inputs, labels = mask_tokens(x, is_token, tok.mask_id, tok.vocab_size, n_special, g)
+        inputs, labels = mask_tokens(x, is_token, tok.mask_id, tok.vocab_size, _n_special(tok), g)
         targets = labels != -100
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model.mlm_logits(model(inputs.to(device), is_token.to(device))[targets.to(device)]).float()
