@@ -74,9 +74,10 @@ def compiled_step(model: torch.nn.Module, fn):
     constants and pre-packs them. Shapes are dynamic (the KV cache grows, finished rows leave the
     batch), so one compilation serves a whole generation and later ones. Compiling costs about a
     minute for a 30-layer model on 2 CPU cores: worth it for long or repeated generation (SmolLM2
-    bf16 on CPU: 66 → 100 tokens/s). On CPU in fp32 inductor's frozen linears are MKL's, slower for
-    one row than attnlab's eager oneDNN-packed ones (28 vs 49 tokens/s), so there the eager step is
-    kept. Frozen weights are a snapshot: when a parameter changes, the step is compiled again.
+    bf16 on CPU: 72 → 90 tokens/s in ``benchmarks/smollm2_speed.py``). On CPU in fp32 inductor's
+    frozen linears are MKL's, slower for one row than attnlab's eager oneDNN-packed ones (35 vs 54
+    tokens/s), so there the eager step is kept. Frozen weights are a snapshot: when a parameter
+    changes, the step is compiled again.
     """
     p0 = next(model.parameters())
     if p0.device.type == "cpu" and p0.dtype == torch.float32:
