@@ -166,10 +166,12 @@ class Trainer:
             self.ddp_model = DistributedDataParallel(self.model, device_ids=[self.device.index]
                                                      if self.device.type == "cuda" else None)
         self.forward = torch.compile(self.ddp_model) if args.compile else self.ddp_model
-        if args.task in ("classify", "mlm"):  # the heads run outside the (DDP) module's forward
-            inner = self.forward
-            self.forward = ((lambda x, mask: self._classify(inner, x, mask)) if args.task == "classify" else
-                            (lambda x, mask, targets: self.model.mlm_logits(inner(x, mask)[targets])))
+        # Encoder-only heads run on the (possibly DDP-wrapped) module's hidden states.
+        inner = self.forward
+        if args.task == "classify":
+            self.forward = lambda x, mask: self._classify(inner, x, mask)
+        elif args.task == "mlm":  # the output projection only at the masked positions
+            self.forward = lambda x, mask, targets: self.model.mlm_logits(inner(x, mask)[targets])
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.elapsed_before = 0.0
         self.best, self.bad_evals = None, 0
