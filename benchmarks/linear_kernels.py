@@ -9,26 +9,16 @@ Marian-size model (64 sentences greedy, 256 rows for beam 4). fp32 and bf16; bes
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
 from attnlab.model import linear as linear_mod
 from attnlab.model.linear import Linear
+from generation_speed import best_time  # warm-up, then the best of N (benchmarks/ is on sys.path)
 
 SMOLLM2 = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (in, out)
 MARIAN = [(256, 768), (256, 256), (256, 256), (256, 1024), (1024, 256)] * 3 + [(256, 8000)]
-
-
-def best(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main():
@@ -50,7 +40,7 @@ def main():
                     return [m(xs[m.in_features]) for m in layers]
                 assert linear_mod.PACKED and linear_mod._ONEDNN, "packed path unavailable"
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(plain(), packed()))
-                t_plain, t_packed = best(plain, args.repeats), best(packed, args.repeats)
+                t_plain, t_packed = best_time(plain, args.repeats), best_time(packed, args.repeats)
             nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
             key = f"{name}_{'fp32' if dtype == torch.float32 else 'bf16'}"
             results[key] = {"F.linear_ms": round(t_plain * 1e3, 2), "packed_ms": round(t_packed * 1e3, 2),
