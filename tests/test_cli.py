@@ -25,10 +25,46 @@ def test_shapes_lists_every_stage(capsys):
 
 
 def test_bad_config_is_a_clear_error(capsys):
-    assert main(["params", "no-such-preset"]) == 2
+    assert main(["params", "no-such-preset"]) == 1  # a user error: 1; a usage error (bad flag value): 2
     assert "unknown preset 'no-such-preset'" in capsys.readouterr().err
 
 
 def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "attnlab", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "params" in out.stdout
+
+
+def test_flag_out_of_range_is_a_usage_error(capsys):
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        main(["translate", "--model", "x", "--beam", "0"])
+    assert e.value.code == 2 and "--beam: 0 is out of range: must be >= 1" in capsys.readouterr().err
+
+
+def test_internal_error_is_one_line_with_debug_hint(monkeypatch, capsys):
+    import attnlab.cli as cli
+
+    def boom(args):
+        raise ZeroDivisionError("division by zero")
+    monkeypatch.setattr(cli, "cmd_params", boom)
+    assert main(["params", "mt-tiny"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error: ZeroDivisionError" in err and "rerun with --debug" in err and "Traceback" not in err
+    import pytest
+    with pytest.raises(ZeroDivisionError):
+        main(["--debug", "params", "mt-tiny"])
+
+
+def test_doctor_reports_paths(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "PyTorch" in out and "CPU inference linears, bf16" in out and "train --bf16 on CPU" in out
+    assert main(["doctor", "--json"]) == 0
+    import json
+    r = json.loads(capsys.readouterr().out)
+    assert {"torch", "cpu_flags", "bf16_native_cpu", "packed_linear_bf16", "compile_cpu", "threads"} <= set(r)
+
+
+def test_dry_run_checks_flags_without_running(capsys):
+    assert main(["--dry-run", "train", "--train", "missing.tsv", "--minutes", "3"]) == 0
+    assert "nothing was run" in capsys.readouterr().out

@@ -22,7 +22,7 @@ def test_packed_equals_f_linear(shape, bias):
         out = lin(x)
         assert linear_mod._packed.get(lin) is not None  # the packed path was taken
         torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
-        lin_bf16, xb = lin.to(torch.bfloat16), x.bfloat16()
+        lin_bf16, xb = lin.to(torch.bfloat16), x.bfloat16()  # packed where this CPU can, F.linear otherwise
         torch.testing.assert_close(lin_bf16(xb).float(), F.linear(xb, lin_bf16.weight, lin_bf16.bias).float(),
                                    atol=2e-2, rtol=2e-2)
 
@@ -73,3 +73,51 @@ def test_dtype_round_trip_never_reuses_a_stale_pack():
         for _ in range(3):  # fp32 → bf16 → fp32 without a call in between: the weights were rounded
             lin.to(torch.bfloat16).to(torch.float32)
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+
+
+# -- capabilities: the same results on a CPU that cannot pack (AVX2-only for bf16) ------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fallback_path_when_the_cpu_cannot_pack(monkeypatch, dtype):
+    """ATTNLAB_NO_BF16 stands in for an AVX2-only CPU (bf16 packing raises there); ATTNLAB_PACKED_LINEAR=0
+    for any CPU. Both give F.linear's results, with no packed weight made."""
+    from attnlab import accel
+    if dtype == torch.bfloat16:
+        monkeypatch.setenv("ATTNLAB_NO_BF16", "1")
+    else:
+        monkeypatch.setenv("ATTNLAB_PACKED_LINEAR", "0")
+    assert not accel.packed_linear_ok(dtype)
+    lin = Linear(48, 80).to(dtype)
+    x = torch.randn(5, 48).to(dtype)
+    with torch.no_grad():
+        out = lin(x)
+    assert linear_mod._packed.get(lin) is None
+    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias))
+
+
+def test_probe_failure_means_plain_path(monkeypatch):
+    """A oneDNN that raises (as on AVX2 for bf16) is found by the probe, never at the user's call."""
+    from attnlab import accel
+
+    def refuse(*a, **k):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw")
+    monkeypatch.setattr(accel, "_packed_probe", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    assert accel._probe_packed(torch.bfloat16) is False
+    assert accel.packed_linear_ok(torch.bfloat16) is False
+    lin = Linear(16, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        x = torch.randn(2, 16, dtype=torch.bfloat16)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_bf16_resolves_to_fp32_where_not_native(monkeypatch):
+    from attnlab import accel
+    said = []
+    monkeypatch.setenv("ATTNLAB_NO_BF16", "1")
+    assert accel.resolve_bf16(True, "cpu", said.append) is False
+    assert len(said) == 1 and "running in fp32" in said[0]
+    assert accel.resolve_bf16(False, "cpu", said.append) is False and len(said) == 1
+    monkeypatch.delenv("ATTNLAB_NO_BF16")
+    assert accel.resolve_bf16(True, "cpu", said.append) is accel.cpu_bf16_native()

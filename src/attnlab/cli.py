@@ -8,6 +8,33 @@ import sys
 from .config import PRESETS, ConfigError, load_config
 
 
+# -- argument types: a bad value is a usage error (exit 2) that names the flag ---------------------------
+
+
+class UsageError(ValueError):
+    """A wrong or missing command-line argument found after parsing: exit status 2, as argparse's own."""
+
+
+def _ranged(kind, text: str, ok):
+    def parse(raw: str):
+        try:
+            v = kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if v != v or not ok(v):
+            raise argparse.ArgumentTypeError(f"{raw} is out of range: must be {text}")
+        return v
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _ranged(int, ">= 1", lambda v: v >= 1)
+nonneg_int = _ranged(int, ">= 0", lambda v: v >= 0)
+positive_float = _ranged(float, "> 0", lambda v: v > 0)
+nonneg_float = _ranged(float, ">= 0", lambda v: v >= 0)
+probability = _ranged(float, "in (0, 1]", lambda v: 0 < v <= 1)
+
+
 def _model_from_spec(spec: str):
     from .model import build_model
     return build_model(load_config(spec))
@@ -52,22 +79,23 @@ def _generation_config(args):
 
 def _add_generation_flags(p, sampling: bool = False) -> None:
     g = p.add_argument_group("decoding")
-    g.add_argument("--beam", type=int, default=1, help="beam size (1 = greedy)")
-    g.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty alpha for beam search")
-    g.add_argument("--max-len", type=int, default=None,
+    g.add_argument("--beam", type=positive_int, default=1, help="beam size (1 = greedy)")
+    g.add_argument("--lenpen", type=nonneg_float, default=0.6, help="GNMT length penalty alpha for beam search")
+    g.add_argument("--max-len", type=positive_int, default=None,
                    help="max new tokens (default: source length + 50 for translation, 128 for LMs)")
-    g.add_argument("--min-len", type=int, default=0, help="min new tokens before EOS is allowed")
-    g.add_argument("--no-repeat-ngram", type=int, default=0, help="forbid repeating n-grams of this size")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--min-len", type=nonneg_int, default=0, help="min new tokens before EOS is allowed")
+    g.add_argument("--no-repeat-ngram", type=nonneg_int, default=0, help="forbid repeating n-grams of this size")
+    g.add_argument("--repetition-penalty", type=positive_float, default=1.0)
     g.add_argument("--compile", dest="compile_step", action="store_true",
                    help="torch.compile the decode step (about a minute to compile a 30-layer model on "
                         "2 CPU cores, then the fastest bf16 decoding; for long or repeated generation; "
                         "skipped on CPU in fp32, where the eager path is faster)")
     if sampling:
         g.add_argument("--sample", action="store_true", help="sample instead of greedy/beam")
-        g.add_argument("--temperature", type=float, default=1.0)
-        g.add_argument("--top-k", type=int, default=0)
-        g.add_argument("--top-p", type=float, default=1.0)
+        g.add_argument("--temperature", type=positive_float, default=1.0,
+                       help="sampling temperature (> 0; for deterministic output drop --sample)")
+        g.add_argument("--top-k", type=nonneg_int, default=0)
+        g.add_argument("--top-p", type=probability, default=1.0)
         g.add_argument("--seed", type=int, default=None)
 
 
@@ -77,28 +105,31 @@ def cmd_train(args) -> int:
     from pathlib import Path
 
     from .train import TrainArgs, Trainer
+    from .train.trainer import check_train_options
     values = {}
     if args.config:
-        try:
-            values = json.loads(Path(args.config).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{args.config}:{e.lineno}: not valid JSON ({e.msg})") from None
-        known = {f.name for f in dataclasses.fields(TrainArgs)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{args.config}: unknown training option(s) {', '.join(unknown)}")
-    for f in dataclasses.fields(TrainArgs):
-        v = getattr(args, f.name, None)
-        if v is not None and f.name not in ("config_overrides",):
-            values[f.name] = v
+        values = check_train_options(_read_json(args.config, "a JSON object of training options"), args.config)
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArgs)
+             if f.name != "config_overrides" and getattr(args, f.name, None) is not None}
     if args.resume_dir:
-        values.update(out=args.resume_dir, resume=True)
-        saved = json.loads((Path(args.resume_dir) / "training_args.json").read_text(encoding="utf-8"))
-        values = {**saved, **{k: v for k, v in values.items() if getattr(args, k, None) is not None}, "resume": True,
-                  "out": args.resume_dir}
+        saved_path = Path(args.resume_dir) / "training_args.json"
+        if not saved_path.exists():
+            raise FileNotFoundError(f"--resume {args.resume_dir}: no training_args.json there "
+                                    "(not a directory written by attnlab train)")
+        saved = check_train_options(_read_json(saved_path, "the run's training options"), str(saved_path))
+        asked = flags.get("task", values.get("task"))
+        if asked and asked != saved.get("task", "translation"):
+            raise ValueError(f"--resume {args.resume_dir}: that run is --task {saved.get('task', 'translation')}, "
+                             f"not --task {asked}")
+        # saved options, then --config, then flags: what the user gives now wins
+        values = {**saved, **values}
+        values.update(resume=True, out=args.resume_dir)
+    values.update(flags)
     overrides = dict(values.get("config_overrides", {}))
     for item in args.set or []:
-        key, _, raw = item.partition("=")
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set d_model=384")
         try:
             overrides[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -110,13 +141,47 @@ def cmd_train(args) -> int:
         values.pop("betas", None)
     train_args = TrainArgs(**values)
     if not train_args.train:
-        raise ValueError("--train is required (a TSV file, or SRC_FILE,TGT_FILE)")
+        raise UsageError("--train is required (a TSV file, or SRC_FILE,TGT_FILE)")
+    _check_writable(train_args.out)
     trainer = Trainer(train_args)
     trainer.setup()
     result = trainer.train()
     print(json.dumps(result))
+    if result["stop"] == "interrupted":
+        print(f"interrupted at step {result['steps']}: checkpoint saved in {train_args.out}; "
+              f"continue with: attnlab train --resume {train_args.out}", file=sys.stderr)
+        return 130
     print(f"model saved in {train_args.out}")
     return 0
+
+
+def _read_json(path, what: str):
+    import json
+    from pathlib import Path
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such file" if not p.exists() else f"{p}: not a file")
+    try:
+        value = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{p}: not UTF-8 text (expected {what})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}:{e.lineno}: not valid JSON ({e.msg}); expected {what}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{p}: expected {what}, found a JSON {type(value).__name__}")
+    return value
+
+
+def _check_writable(directory) -> None:
+    """Fail before any work when the output directory cannot be written (not after an hour of training)."""
+    import os
+    from pathlib import Path
+    d = Path(directory)
+    existing = next((p for p in [d, *d.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"--out {d}: {existing} is a file, not a directory")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"--out {d}: {existing} is not writable; choose another --out")
 
 
 def cmd_translate(args) -> int:
@@ -289,8 +354,10 @@ def cmd_generate(args) -> int:
     from .generate import generate
     from .generate.search import DecoderOnlyStepper, stream_tokens
     from .pretrained import apply_chat_template
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    p = _load_any(args.model, _device(args), dtype)
+    from .accel import resolve_bf16
+    device = _device(args)
+    dtype = torch.bfloat16 if resolve_bf16(args.bf16, device) else torch.float32
+    p = _load_any(args.model, device, dtype)
     model, tok = p.model, p.tokenizer
     if model.config.family != "decoder-only":
         raise ValueError(f"attnlab generate needs a decoder-only model; {args.model} is {model.config.family} "
@@ -368,9 +435,15 @@ def _device(args):
     return pick_device(getattr(args, "device", "auto") or "auto")
 
 
+def cmd_doctor(args) -> int:
+    from .doctor import main as doctor
+    return doctor(["--json"] if args.json else [])
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
-    return run_demo(minutes=args.minutes, out=args.out, threads=args.threads)
+    return run_demo(minutes=args.minutes, out=args.out, threads=args.threads, test_sentences=args.test_sentences,
+                    device=args.device)
 
 
 EXAMPLES = {
@@ -397,6 +470,7 @@ EXAMPLES = {
                  '  attnlab classify --model runs/sst2 --input reviews.txt'),
     "attention": 'attnlab attention --model runs/enzh "I love coding." --out attn.png',
     "average": "attnlab average --model runs/enzh --last 5",
+    "doctor": "attnlab doctor\n  attnlab doctor --json\n  python -m attnlab.doctor",
     "generate": ('attnlab generate --model smollm2 --chat --prompt "What is attention?" --stream\n'
                  '  attnlab generate --model runs/lm --prompt "ROMEO:" --sample --top-k 50 --temperature 0.8\n'
                  '  echo "Once upon a time" | attnlab generate --model model.gguf --prompt - --beam 4'),
@@ -409,6 +483,7 @@ def _add_train_flags(p) -> None:
     import dataclasses
 
     from .train import TrainArgs
+    from .train.trainer import CHOICES, RANGES
     p.add_argument("--config", help="JSON file of training options (flags override it)")
     p.add_argument("--resume", dest="resume_dir", metavar="DIR", help="continue the run saved in DIR exactly")
     p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
@@ -428,6 +503,10 @@ def _add_train_flags(p) -> None:
     for f in dataclasses.fields(TrainArgs):
         if f.name in ("config_overrides", "betas", "resume"):
             continue
+        if f.name in CHOICES:
+            p.add_argument("--" + f.name.replace("_", "-"), choices=CHOICES[f.name], default=None,
+                           help=helps.get(f.name))
+            continue
         if f.name == "task":
             p.add_argument("--task", choices=["translation", "lm", "classify", "mlm"], default=None,
                            help="translation (encoder-decoder), lm (decoder-only), classify (encoder-only), "
@@ -437,11 +516,8 @@ def _add_train_flags(p) -> None:
         if f.type in ("bool",) or isinstance(f.default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps.get(f.name))
         else:
-            typ = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)
-            if "float" in str(f.type):
-                typ = float
-            elif "int" in str(f.type):
-                typ = int
+            kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+            typ = _ranged(kind, *RANGES[f.name]) if f.name in RANGES else kind
             p.add_argument(flag, type=typ, default=None,
                            help=(helps.get(f.name, "") + f" (default: {f.default})").strip())
 
@@ -453,42 +529,51 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="presets: " + ", ".join(PRESETS))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and which fast paths run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the command's arguments and exit without running it")
+
     def add(name: str, help: str, fn):
         p = sub.add_parser(name, help=help, description=help,
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            epilog="examples:\n  " + EXAMPLES.get(name, ""))
-        p.set_defaults(fn=fn)
+        p.set_defaults(fn=fn, subparser=p)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks and which fast paths run")
         return p
 
     p = add("demo", "the main job: train English→Chinese on the shipped corpus, evaluate, translate, draw", cmd_demo)
-    p.add_argument("--minutes", type=float, default=10.0, help="training time budget (default 10)")
+    p.add_argument("--minutes", type=positive_float, default=10.0, help="training time budget (default 10)")
     p.add_argument("--out", default="runs/demo", help="model directory (default runs/demo)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--test-sentences", type=positive_int, default=None, metavar="N",
+                   help="score only the first N test sentences (a small budget, e.g. for tests)")
+    p.add_argument("--device", default="auto")
     p = add("train", "train a model: translation (default), --task lm, --task classify, --task mlm", cmd_train)
     _add_train_flags(p)
     p = add("translate", "translate sentences (stdin, --input file or --text) with a trained model", cmd_translate)
     p.add_argument("--model", required=True, help="model directory")
     p.add_argument("--input", help="file with one sentence per line (default: stdin)")
     p.add_argument("--text", help="translate this one sentence")
-    p.add_argument("--nbest", type=int, default=0, help="print the N best hypotheses with scores (beam)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--nbest", type=nonneg_int, default=0, help="print the N best hypotheses with scores (beam)")
+    p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--device", default="auto")
     _add_generation_flags(p)
     p = add("evaluate", "translation: sacreBLEU (zh tokenizer for Chinese, 13a otherwise) and chrF; "
                         "lm: loss and perplexity; classify: accuracy, macro-F1, confusion matrix", cmd_evaluate)
     p.add_argument("--task", choices=["translation", "lm", "classify", "mlm"], help="default: what the model was trained for")
-    p.add_argument("--block-size", type=int, default=None, help="lm: tokens per evaluation block")
-    p.add_argument("--label-col", type=int, default=None)
-    p.add_argument("--text-col", type=int, default=None)
+    p.add_argument("--block-size", type=positive_int, default=None, help="lm: tokens per evaluation block")
+    p.add_argument("--label-col", type=nonneg_int, default=None)
+    p.add_argument("--text-col", type=nonneg_int, default=None)
     p.add_argument("--confusion-png", default=None, help="classify: draw the confusion matrix here")
     p.add_argument("--model", required=True)
     p.add_argument("--src", help="source sentences, one per line")
     p.add_argument("--ref", help="reference translations, one per line")
     p.add_argument("--data", help="a TSV of pairs (translation), a text file (lm), labelled rows (classify)")
-    p.add_argument("--src-col", type=int, default=0)
-    p.add_argument("--tgt-col", type=int, default=1)
+    p.add_argument("--src-col", type=nonneg_int, default=0)
+    p.add_argument("--tgt-col", type=nonneg_int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object with bleu, chrf, n")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--device", default="auto")
     _add_generation_flags(p)
     p = add("attention", "draw encoder, decoder and cross-attention maps for one sentence", cmd_attention)
@@ -503,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p = add("average", "average the last N checkpoints (as the paper does)", cmd_average)
     p.add_argument("--model", required=True)
-    p.add_argument("--last", type=int, default=5)
+    p.add_argument("--last", type=positive_int, default=5)
     p.add_argument("--out", default=None, help="output file (default: MODEL/model.safetensors)")
     p = add("generate", "generate text with a decoder-only model (smollm2, a .gguf, or a trained LM)", cmd_generate)
     p.add_argument("--model", required=True, help="smollm2, a .gguf file, an HF folder, or a model directory")
@@ -511,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
-    p.add_argument("--bf16", action="store_true", help="run the model in bfloat16")
+    p.add_argument("--bf16", action="store_true",
+                   help="run the model in bfloat16 where it is native (fp32 on CPUs that would emulate it)")
     p.add_argument("--device", default="auto")
     _add_generation_flags(p, sampling=True)
     p = add("embed", "sentence embeddings (mean-pooled, L2-normalised for minilm) as .npy or JSON lines", cmd_embed)
@@ -519,8 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help="file with one sentence per line (default: stdin)")
     p.add_argument("--text", help="embed this one sentence")
     p.add_argument("--out", help="output .npy (matrix) or .jsonl (default: JSON lines on stdout)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--device", default="auto")
+    p = add("doctor", "what this machine supports and which fast paths attnlab takes here", cmd_doctor)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = add("params", "per-module parameter table and total (vs the 12·L·d² rule of thumb)", cmd_params)
     p.add_argument("config", help="preset name, config.json, or model directory")
     p = add("shapes", "tensor shape after every stage of a forward pass on a sample batch", cmd_shapes)
@@ -528,20 +616,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors a person can act on: bad files, values, formats, missing packages. One line, exit status 1.
+USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+               ImportError, UnicodeError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done, 1 a user error or a failure (one line on stderr, no traceback), 2 a usage
+    error, 130 interrupted. ``--debug`` shows tracebacks and attnlab's debug log (which fast paths ran)."""
+    import logging
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
+    debug = getattr(args, "debug", False)
+    if debug:
+        logging.basicConfig(format="attnlab: %(message)s")
+        logging.getLogger("attnlab").setLevel(logging.DEBUG)
+    where = f"attnlab {args.command}"
+    if args.dry_run:
+        print(f"{where}: arguments accepted (dry run, nothing was run)")
+        return 0
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
-        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
+    except UsageError as e:
+        if debug:
+            raise
+        args.subparser.print_usage(sys.stderr)
+        print(f"{where}: error: {e}", file=sys.stderr)
         return 2
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"{where}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"{where}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `attnlab translate ... | head -1`
+        sys.stderr.close()
+        return 0
+    except Exception as e:  # a bug, or a failure we did not foresee: one line, the traceback on request
+        if debug:
+            raise
+        print(f"{where}: internal error: {type(e).__name__}: {_one_line(e)}\n"
+              f"rerun with --debug for the traceback", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)) and e.filename:
+        text = f"{e.filename}: {e.strerror or text}"
+    return " ".join(text.split())[:2000]
 
 
 __all__ = ["main", "build_parser"]

@@ -8,6 +8,7 @@ prefill the left-padded prompt, then one token per step). The search algorithms 
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -15,7 +16,10 @@ from typing import Iterator
 
 import torch
 
+from ..accel import can_compile
 from ..model.transformer import DecoderOnly, EncoderDecoder
+
+log = logging.getLogger("attnlab")
 
 
 @dataclass
@@ -86,20 +90,41 @@ def compiled_step(model: torch.nn.Module, fn):
             warnings.warn("compile skipped: on CPU in fp32 attnlab's eager pre-packed linears decode faster "
                           "than the compiled step (use bf16 to benefit from compile)")
         return fn
+    if not can_compile(p0.device):  # no C++ compiler (CPU) or no triton (CUDA): eager, same results
+        return fn
     key = tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
     entry = _COMPILED.get(model)
     if entry is None or entry[0] != key:
         if entry is not None:
             torch._dynamo.reset()  # dynamo's cache would otherwise keep serving the old constants
         compiled = torch.compile(fn, dynamic=True)
+        failed = []
 
         def step(*args, **kwargs):
             import torch._inductor.config as inductor_config
-            with inductor_config.patch(freezing=True):  # read when (re)compiling, i.e. inside the call
-                return compiled(*args, **kwargs)
+            if failed:
+                return fn(*args, **kwargs)
+            try:
+                with inductor_config.patch(freezing=True):  # read when (re)compiling, i.e. inside the call
+                    return compiled(*args, **kwargs)
+            except Exception as e:  # a compiler that is present but cannot build: the eager step
+                if not _is_compile_failure(e):
+                    raise
+                failed.append(e)
+                log.debug("compiled decode step failed to build (%s): eager decoding", str(e).splitlines()[0])
+                return fn(*args, **kwargs)
         entry = (key, step)
         _COMPILED[model] = entry
     return entry[1]
+
+
+def _is_compile_failure(e: Exception) -> bool:
+    """Errors of the compiler toolchain (inductor's C++ build, a missing backend), not of the model."""
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
+    except ImportError:  # pragma: no cover - older torch
+        BackendCompilerFailed = ()
+    return isinstance(e, BackendCompilerFailed) or type(e).__module__.startswith(("torch._inductor", "torch._dynamo"))
 
 
 class Seq2SeqStepper:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -39,20 +40,73 @@ def attention_maps(model, src_tok, tgt_tok, sentence: str, translation_ids: list
     return maps
 
 
+
+# Fonts with Chinese (Simplified and Traditional) glyphs, in order of preference, if the system has one.
+_SYSTEM_CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Noto Sans CJK TC", "Noto Sans SC",
+                     "WenQuanYi Zen Hei", "WenQuanYi Micro Hei", "SimHei", "Droid Sans Fallback",
+                     "AR PL UMing CN", "PingFang SC", "Microsoft YaHei")
+
+
+def _packaged_cjk_font_file() -> str | None:
+    """WenQuanYi Micro Hei as shipped by the paperang-p2-fonts-cjk package (found, not imported)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("paperang_p2_fonts_cjk")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "fonts" / "wqy-microhei.ttc"
+        if path.is_file():
+            return str(path)
+    return None
+
+
+@functools.cache
+def cjk_font() -> str | None:
+    """The family name of a font that draws Chinese, for matplotlib: a system font matplotlib already
+    knows, else the packaged WenQuanYi Micro Hei (registered with matplotlib on first use), else None."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    known = {f.name for f in font_manager.fontManager.ttflist}
+    system = next((name for name in _SYSTEM_CJK_FONTS if name in known), None)
+    if system:
+        return system
+    path = _packaged_cjk_font_file()
+    if path is None:
+        return None
+    try:
+        font_manager.fontManager.addfont(path)
+        return FT2Font(path).family_name
+    except (OSError, RuntimeError, ValueError):
+        return None
+
+
+def _font_rc() -> dict:
+    """rcParams under which every label is drawable: the CJK font first, DejaVu Sans for the rest."""
+    font = cjk_font()
+    return {"font.family": [font, "DejaVu Sans"]} if font else {}
+
+
 def plot_attention(maps: dict, out: str, title: str = "") -> str:
+    """Every attention map (per layer and head) as one PNG at *out*; returns *out*."""
+    fig = _attention_figure(maps, title)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _attention_figure(maps: dict, title: str = ""):
+    """The figure plot_attention saves: rows encoder / decoder / cross-attention per layer, a column
+    per head, and the title above them all, clear of the top row."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib import font_manager
 
-    # A CJK-capable font if the system has one, so Chinese tokens are drawn, not boxes; without
-    # one, such tokens are labelled by their code points (install e.g. fonts-noto-cjk).
-    cjk_font = next((name for name in ("Noto Sans CJK SC", "Noto Sans CJK JP", "WenQuanYi Zen Hei", "SimHei",
-                                       "Droid Sans Fallback", "AR PL UMing CN")
-                     if any(f.name == name for f in font_manager.fontManager.ttflist)), None)
-    if cjk_font:
-        plt.rcParams["font.family"] = [cjk_font, "DejaVu Sans"]
-    else:
+    if cjk_font() is None:  # no font draws Chinese: label such tokens by their code points instead
         maps = {**maps, **{k: [_drawable(t) for t in maps[k]] for k in ("src_tokens", "tgt_in_tokens")}}
         title = _drawable(title)
     kinds = [("encoder", "encoder self-attention", "src_tokens", "src_tokens"),
@@ -60,23 +114,43 @@ def plot_attention(maps: dict, out: str, title: str = "") -> str:
              ("cross", "cross-attention (decoder → encoder)", "tgt_in_tokens", "src_tokens")]
     n_layers = len(maps["encoder"])
     n_heads = maps["encoder"][0].shape[0]
-    fig, axes = plt.subplots(3 * n_layers, n_heads, figsize=(2.6 * n_heads, 2.6 * 3 * n_layers), squeeze=False)
-    for k, (key, label, ylab, xlab) in enumerate(kinds):
-        for layer in range(n_layers):
-            for h in range(n_heads):
-                ax = axes[k * n_layers + layer, h]
-                ax.imshow(maps[key][layer][h].numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
-                ax.set_xticks(range(len(maps[xlab])))
-                ax.set_xticklabels(maps[xlab], rotation=90, fontsize=6)
-                ax.set_yticks(range(len(maps[ylab])))
-                ax.set_yticklabels(maps[ylab], fontsize=6)
-                ax.set_title(f"{label}\nlayer {layer} head {h}", fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    with plt.rc_context(_font_rc()):
+        fig, axes = plt.subplots(3 * n_layers, n_heads, figsize=(2.6 * n_heads, 2.6 * 3 * n_layers),
+                                 squeeze=False)
+        for k, (key, label, ylab, xlab) in enumerate(kinds):
+            for layer in range(n_layers):
+                for h in range(n_heads):
+                    ax = axes[k * n_layers + layer, h]
+                    ax.imshow(maps[key][layer][h].float().numpy(), cmap="viridis", vmin=0, vmax=1,
+                              aspect="auto")
+                    ax.set_xticks(range(len(maps[xlab])))
+                    ax.set_xticklabels(maps[xlab], rotation=90, fontsize=6)
+                    ax.set_yticks(range(len(maps[ylab])))
+                    ax.set_yticklabels(maps[ylab], fontsize=6)
+                    ax.set_title(f"{label}\nlayer {layer} head {h}", fontsize=7)
+        top = 1.0
+        if title:
+            top = _suptitle_room(fig, title)
+        fig.tight_layout(rect=(0, 0, 1, top))
+    return fig
+
+
+def _suptitle_room(fig, title: str) -> float:
+    """Put *title* above the subplots, fitted to the figure's width (broken before its '→', then
+    made smaller if need be); returns the top of the rectangle left for the subplots (figure fraction)."""
+    renderer = fig.canvas.get_renderer()
+    # At a fixed distance from the top edge (the default y=0.98 is a fraction of the height, far down a
+    # tall figure), and out of tight_layout's own accounting, which the rectangle returned here replaces.
+    text = fig.suptitle(title, y=1 - 0.06 / fig.get_figheight(), va="top", in_layout=False)
+    room = 0.96 * fig.bbox.width
+    if text.get_window_extent(renderer).width > room and " → " in title:
+        text.set_text(title.replace(" → ", "\n→ ", 1))
+    width = text.get_window_extent(renderer).width
+    if width > room:
+        text.set_fontsize(max(6.0, text.get_fontsize() * room / width))
+    bottom = text.get_window_extent(renderer).y0  # pixels from the figure's bottom
+    gap = 0.2 * text.get_fontsize() * fig.dpi / 72  # tight_layout adds its own padding below it
+    return max(0.5, (bottom - gap) / fig.bbox.height)
 
 
 def _drawable(text: str) -> str:
@@ -84,25 +158,94 @@ def _drawable(text: str) -> str:
     return "".join(c if ord(c) < 0x2E80 else f"U+{ord(c):04X}" for c in text)
 
 
+# metrics.jsonl keys, per task: losses on the left panel, dev scores (or perplexities) on the right.
+_DEV_LOSSES = (("dev_loss", "dev"), ("val_loss", "validation"), ("dev_mlm_loss", "dev (masked tokens)"))
+_DEV_SCORES = (("dev_bleu", "dev BLEU"), ("dev_chrf", "dev chrF"), ("dev_accuracy", "dev accuracy"),
+               ("dev_macro_f1", "dev macro-F1"), ("dev_mlm_accuracy", "dev masked-token accuracy"))
+_DEV_PERPLEXITIES = (("val_ppl", "validation perplexity"), ("dev_mlm_ppl", "dev masked-token perplexity"))
+
+
+def _series(rows: list[dict], key: str) -> tuple[list, list]:
+    """(steps, values) of the rows that have a finite number under *key*."""
+    import math
+    points = [(r["step"], r[key]) for r in rows
+              if isinstance(r.get("step"), (int, float)) and isinstance(r.get(key), (int, float))
+              and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    return [s for s, _ in points], [v for _, v in points]
+
+
 def plot_curves(metrics_path: str, out: str) -> str:
-    """Training loss and dev loss/BLEU against steps, from metrics.jsonl."""
+    """Training curves from metrics.jsonl as one PNG at *out*: train and dev loss on the left, the dev
+    scores on the right (BLEU and chrF for translation; accuracy, perplexity for the other tasks), each
+    dev curve labelled with its last value. Works for a file with no dev rows, or no rows at all."""
     import json
 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [json.loads(l) for l in open(metrics_path, encoding="utf-8") if l.strip()]
-    train = [r for r in rows if "train_loss" in r]
-    dev = [r for r in rows if "dev_bleu" in r]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    ax[0].plot([r["step"] for r in train], [r["train_loss"] for r in train], label="train (label-smoothed)")
-    if dev:
-        ax[0].plot([r["step"] for r in dev], [r["dev_loss"] for r in dev], "o-", label="dev")
-        ax[1].plot([r["step"] for r in dev], [r["dev_bleu"] for r in dev], "o-", label="dev BLEU")
-        ax[1].plot([r["step"] for r in dev], [r["dev_chrf"] for r in dev], "s--", label="dev chrF")
-    ax[0].set_xlabel("step"); ax[0].set_ylabel("cross-entropy"); ax[0].legend()
-    ax[1].set_xlabel("step"); ax[1].set_ylabel("score"); ax[1].legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+
+    rows = []
+    with open(metrics_path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:  # blank, or a line cut short by a run that was stopped
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    losses = [("train_loss", "train (as optimised)", *_series(rows, "train_loss"))]
+    losses = [s for s in losses + [(key, label, *_series(rows, key)) for key, label in _DEV_LOSSES] if s[2]]
+    right = [(key, label, *_series(rows, key)) for key, label in _DEV_SCORES]
+    right = [s for s in right if s[2]]
+    right_title = "Dev scores"
+    if not right:
+        right = [(key, label, *_series(rows, key)) for key, label in _DEV_PERPLEXITIES]
+        right = [s for s in right if s[2]]
+        right_title = "Perplexity"
+
+    with plt.rc_context(_font_rc()):
+        fig, axes = plt.subplots(1, 2 if right else 1, figsize=(11, 4.2) if right else (6.5, 4.2),
+                                 squeeze=False, sharex=True)
+        ax = axes[0, 0]
+        for i, (key, label, steps, values) in enumerate(losses):
+            if key == "train_loss":
+                ax.plot(steps, values, "-", lw=1.4, color="C0", label=label)
+            else:
+                ax.plot(steps, values, "o-", ms=4, color=f"C{i}", label=label)
+                _label_last(ax, steps, values, f"C{i}")
+        ax.set_title("Loss")
+        ax.set_ylabel("cross-entropy (nats)")
+        if right:
+            ax2 = axes[0, 1]
+            for i, (key, label, steps, values) in enumerate(right):
+                ax2.plot(steps, values, ("o-", "s--", "^-", "d--", "v-")[i % 5], ms=4, color=f"C{i + 2}",
+                         label=label)
+                _label_last(ax2, steps, values, f"C{i + 2}")
+            ax2.set_title(right_title)
+            ax2.set_ylabel("perplexity" if right_title == "Perplexity" else "score")
+        for a in axes[0]:
+            a.set_xlabel("updates")
+            a.grid(True, color="0.85", lw=0.6)
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=8)
+        last = max((max(s[2]) for s in losses + right if s[2]), default=0)
+        if last > 0:  # from 0 to a little past the last update, room for the last values' labels
+            ax.set_xlim(0, last * 1.1)
+        if not losses:
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.text(0.5, 0.5, "no training metrics yet", transform=ax.transAxes, ha="center", va="center",
+                    color="0.4")
+        fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
     return out
+
+
+def _label_last(ax, steps: list, values: list, color: str) -> None:
+    """Write the last value beside the last point of a curve."""
+    if steps:
+        ax.annotate(f"{values[-1]:.4g}", (steps[-1], values[-1]), xytext=(5, 0), textcoords="offset points",
+                    va="center", fontsize=8, color=color)

@@ -15,28 +15,28 @@ version), so training and reloading stay correct. It is used only where nothing 
 choosing the compute dtype) and outside ``torch.compile`` (which packs weights itself when it freezes
 them). It costs one extra copy of the weights in memory; ``ATTNLAB_PACKED_LINEAR=0`` (or
 ``attnlab.model.linear.PACKED = False``) turns it off.
+
+Whether this CPU can pack a dtype at all is a capability, probed once (``attnlab.accel``): oneDNN's
+bf16 packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, so on an AVX2-only CPU bf16 inputs take the
+plain ``F.linear`` path, with identical results.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED = os.environ.get("ATTNLAB_PACKED_LINEAR", "1") != "0"
+from ..accel import onednn_linear_ops, packed_linear_ok
+
+PACKED = True  # programmatic switch; the environment's ATTNLAB_PACKED_LINEAR=0 is checked in accel
 _PACK_ROWS_HINT = 64  # packing for 64 rows serves 1…256-row inputs well (measured); 1 does not
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → (source, key, packed)
 
 
-def _onednn_available() -> bool:
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-_ONEDNN = _onednn_available()
+_ONEDNN = onednn_linear_ops()
 if _ONEDNN:
     _REORDER = torch.ops.mkldnn._reorder_linear_weight.default
     _LINEAR = torch.ops.mkldnn._linear_pointwise.default
@@ -48,9 +48,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (PACKED and _ONEDNN and x.device.type == "cpu" and x.dtype == w.dtype
-                and w.dtype in (torch.float32, torch.bfloat16) and x.dim() >= 2 and x.numel()
+                and x.dim() >= 2 and x.numel()
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
-                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
+                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+                and packed_linear_ok(w.dtype)):
             try:
                 # In-place updates bump the version; .to() and .data = swap the storage.
                 key = (w._version, w.data_ptr(), w.dtype)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..accel import resolve_bf16
 from ..model import build_model
 from ..modeldir import atomic_write, save_model_dir, save_weights
 from .tasks import TASKS, label_smoothed_loss
@@ -76,9 +77,66 @@ class TrainArgs:
     device: str = "auto"
 
 
+# What each option may hold; checked for flags (a usage error) and for --config files (naming the file).
+RANGES = {
+    "minutes": ("> 0", lambda v: v > 0), "max_steps": (">= 1", lambda v: v >= 1),
+    "max_tokens": (">= 1", lambda v: v >= 1), "update_freq": (">= 1", lambda v: v >= 1),
+    "lr": ("> 0", lambda v: v > 0), "warmup": (">= 0", lambda v: v >= 0), "min_lr": (">= 0", lambda v: v >= 0),
+    "label_smoothing": ("in [0, 1)", lambda v: 0 <= v < 1), "clip_norm": (">= 0", lambda v: v >= 0),
+    "weight_decay": (">= 0", lambda v: v >= 0), "eps": ("> 0", lambda v: v > 0),
+    "eval_every": (">= 0", lambda v: v >= 0), "eval_sentences": (">= 1", lambda v: v >= 1),
+    "beam": (">= 1", lambda v: v >= 1), "patience": (">= 0", lambda v: v >= 0),
+    "save_every": (">= 0", lambda v: v >= 0), "keep_last": (">= 1", lambda v: v >= 1),
+    "threads": (">= 1", lambda v: v >= 1), "vocab_size": (">= 16", lambda v: v >= 16),
+    "max_len": (">= 2", lambda v: v >= 2), "block_size": (">= 1", lambda v: v >= 1),
+    "batch_size": (">= 1", lambda v: v >= 1), "val_fraction": ("in (0, 1)", lambda v: 0 < v < 1),
+    "eval_batches": (">= 0", lambda v: v >= 0), "src_col": (">= 0", lambda v: v >= 0),
+    "tgt_col": (">= 0", lambda v: v >= 0), "label_col": (">= 0", lambda v: v >= 0),
+    "text_col": (">= 0", lambda v: v >= 0),
+}
+CHOICES = {"schedule": ("inverse_sqrt", "cosine", "constant"), "tokenizer": ("bpe", "char")}
+
+
+def check_train_options(values: dict, source: str) -> dict:
+    """Unknown names, wrong types and out-of-range values of training options, named with their
+    source (a --config file, training_args.json); returns the values with JSON lists made tuples."""
+    fields = {f.name: f for f in dataclasses.fields(TrainArgs)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{source}: unknown training option(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(sorted(fields))})")
+    out = dict(values)
+    for name, v in values.items():
+        kind = str(fields[name].type)
+        if v is None and "None" in kind:
+            continue
+        ok = {"bool": isinstance(v, bool), "dict": isinstance(v, dict), "str": isinstance(v, str),
+              "tuple": isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v),
+              "int": isinstance(v, int) and not isinstance(v, bool),
+              "float": isinstance(v, (int, float)) and not isinstance(v, bool)}[kind.split(" |")[0]]
+        if not ok:
+            raise ValueError(f"{source}: option {name!r} must be {kind.split(' |')[0]}, got {v!r}")
+        if name in RANGES and not RANGES[name][1](v):
+            raise ValueError(f"{source}: option {name!r} = {v!r} must be {RANGES[name][0]}")
+        if name in CHOICES and v not in CHOICES[name]:
+            raise ValueError(f"{source}: option {name!r} = {v!r} must be one of {', '.join(CHOICES[name])}")
+        if kind == "tuple":
+            out[name] = tuple(v)
+    return out
+
+
 def pick_device(name: str = "auto") -> torch.device:
+    """``auto``: CUDA, else MPS, else CPU. A named device must exist here."""
     if name != "auto":
-        return torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"--device {name!r}: not a device name (auto, cpu, cuda, cuda:1, mps)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this PyTorch sees no CUDA GPU (use --device cpu or auto)")
+        if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ValueError(f"--device {name}: MPS is not available here (use --device cpu or auto)")
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
@@ -136,6 +194,8 @@ class Trainer:
             torch.set_num_threads(args.threads)
         self.out = Path(args.out)
         self.is_main = self.rank == 0
+        # --bf16 means bf16 where it is native; an emulating CPU trains in fp32 (one line says so).
+        self.bf16 = resolve_bf16(args.bf16, self.device, self.log if self.is_main else (lambda m: None))
         if args.task not in TASKS:
             raise ValueError(f"--task {args.task!r} is not one of {', '.join(TASKS)}")
         self.task = TASKS[args.task]()
@@ -239,9 +299,49 @@ class Trainer:
             return (self.step - args.warmup) / max(args.max_steps - args.warmup, 1)
         return elapsed / budget if budget else 0.0
 
+    @contextlib.contextmanager
+    def _stop_at_step_boundary(self):
+        """Ctrl-C (SIGINT) or SIGTERM finish the update under way, then the loop saves a checkpoint
+        and stops, so ``--resume`` continues exactly. A second Ctrl-C stops at once (the last
+        checkpoint on disk is intact: every write is atomic)."""
+        import signal
+        import threading
+        self.interrupted = None
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self.interrupted is not None:
+                raise KeyboardInterrupt
+            self.interrupted = signum
+            if self.is_main:
+                self.log(f"\n{signal.Signals(signum).name}: finishing step {self.step + 1}, then saving a checkpoint "
+                         "(press Ctrl-C again to stop at once)")
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+    def _should_stop(self) -> bool:
+        """An interruption stops every process at the same step (a flag all-reduced under DDP)."""
+        flag = self.interrupted is not None
+        if self.world > 1:
+            import torch.distributed as dist
+            t = torch.tensor([int(flag)], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag
+
     def train(self) -> dict:
         if not hasattr(self, "model"):
             self.setup()
+        with self._stop_at_step_boundary():
+            return self._train()
+
+    def _train(self) -> dict:
         args, model = self.args, self.model
         model.train()
         self.t0 = time.time()
@@ -270,7 +370,7 @@ class Trainer:
                 sync = micro == args.update_freq - 1
                 ctx = self.ddp_model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
                 with ctx:
-                    with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                    with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                         loss, n, n_in = self.task.loss(self.forward, batch, self.smoothing)
                     (loss / args.update_freq).backward()
                 loss_sum += loss.item() * n
@@ -301,11 +401,14 @@ class Trainer:
                     break
             if args.save_every and self.step % args.save_every == 0:
                 self.save_checkpoint()
+            if self._should_stop():
+                stop_reason = "interrupted"
+                break
         if bar is not None:
             bar.close()
         result = {"steps": self.step, "stop": stop_reason,
                   "elapsed": round(self.elapsed_before + time.time() - self.t0, 1)}
-        if self.task.has_dev and last_eval != self.step:
+        if self.task.has_dev and last_eval != self.step and stop_reason != "interrupted":
             self._evaluate_and_keep_best()
         self.save_checkpoint()
         if self.is_main and self.best is None:  # no dev set: the last weights are the model
@@ -321,7 +424,7 @@ class Trainer:
         Returns True when early stopping says stop."""
         if not self.is_main:
             return False
-        scores = self.task.evaluate(self.model, self.device, self.args.bf16)
+        scores = self.task.evaluate(self.model, self.device, self.bf16)
         self.model.train()
         scores.update(step=self.step, elapsed=round(self.elapsed_before + time.time() - self.t0, 1))
         self._metrics(scores)

@@ -1,0 +1,268 @@
+"""What this machine runs fast, and which path attnlab takes: every capability check in one place.
+
+attnlab's optimised paths — pre-packed oneDNN linear weights (``model/linear.py``), bf16 autocast in
+training and bf16 inference, the compiled decode step (``generate/search.py``) — are *capabilities*,
+never assumptions. Each asks here first; where the answer is no, the plain PyTorch path runs with the
+same results, and one debug line per process says so (``logging.getLogger("attnlab")``).
+
+Why checks and not try/except around the hot path: the failures are not always errors. oneDNN's bf16
+weight packing raises on a CPU without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, but bf16 *autocast* on
+such a CPU silently emulates bf16 and runs ~6× slower than fp32 — only a capability check catches that.
+
+Switches (environment variables, read at every check, so tests can flip them):
+
+* ``ATTNLAB_PACKED_LINEAR=0`` — never pre-pack linear weights (plain ``F.linear``);
+* ``ATTNLAB_NO_BF16=1`` — treat the CPU as having no native bf16 (stands in for an AVX2-only CPU:
+  ``--bf16`` falls back to fp32, bf16 weights are not packed);
+* ``ATTNLAB_COMPILE=0`` — never ``torch.compile`` the decode step.
+
+``attnlab doctor`` (or ``python -m attnlab.doctor``) prints all of it for this machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("attnlab")
+_said: set[str] = set()
+
+
+def _once(key: str, message: str) -> None:
+    """One debug line per process and topic: fallbacks are normal, not worth a warning each call."""
+    if key not in _said:
+        _said.add(key)
+        log.debug(message)
+
+
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+# -- the CPU ------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """ISA features of this CPU: /proc/cpuinfo's ``flags`` (x86) or ``Features`` (ARM) on Linux;
+    ``sysctl hw.optional`` on macOS. Empty where neither can be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip().lower() in ("flags", "features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(["sysctl", "hw.optional"], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return frozenset()
+        # e.g. "hw.optional.arm.FEAT_BF16: 1"
+        return frozenset(k.rsplit(".", 1)[-1].lower().removeprefix("feat_") for k, _, v in
+                         (line.partition(": ") for line in out.splitlines()) if v.strip() == "1")
+    return frozenset()
+
+
+@lru_cache(maxsize=1)
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "Hardware"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_bf16_native() -> bool:
+    """Native bf16 arithmetic: AVX512-BF16 or AMX on x86, the BF16 extension on ARM."""
+    if _env_on("ATTNLAB_NO_BF16"):
+        return False
+    flags = cpu_flags()
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & flags)
+
+
+def cpu_isa() -> str:
+    """A short name for the widest vector unit: what a timing should be labelled with."""
+    flags = cpu_flags()
+    for name, needs in (("AMX", {"amx_bf16"}), ("AVX-512-BF16", {"avx512_bf16"}), ("AVX-512", {"avx512f"}),
+                        ("AVX2", {"avx2"}), ("NEON+BF16", {"asimd", "bf16"}), ("NEON", {"asimd"})):
+        if needs <= flags:
+            return name
+    return platform.machine() or "unknown"
+
+
+# -- bf16 ---------------------------------------------------------------------------------------------
+
+
+def bf16_native(device: torch.device | str = "cpu") -> bool:
+    """Whether bf16 compute is native (fast) on ``device``. On CPUs without it PyTorch emulates bf16,
+    which is correct but several times slower than fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "mps":
+        return not _env_on("ATTNLAB_NO_BF16")
+    return cpu_bf16_native()
+
+
+def resolve_bf16(requested: bool, device: torch.device | str = "cpu", say=None) -> bool:
+    """``--bf16`` means "bf16 where it is native": on a device without native bf16 it is fp32, and
+    ``say`` (e.g. print to stderr) gets one line explaining it."""
+    if not requested:
+        return False
+    if bf16_native(device):
+        return True
+    message = (f"--bf16: this {torch.device(device).type.upper()} has no native bf16 ({cpu_isa()}; bf16 needs "
+               "AVX512-BF16 or AMX on x86, BF16 on ARM, Ampere+ on CUDA) and would emulate it several times "
+               "slower: running in fp32")
+    (say or (lambda m: print(m, file=sys.stderr, flush=True)))(message)
+    return False
+
+
+# -- pre-packed linear weights ----------------------------------------------------------------------------
+
+
+def onednn_linear_ops() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+_packed_probe: dict[torch.dtype, bool] = {}
+
+
+def _probe_packed(dtype: torch.dtype) -> bool:
+    """Pack a small weight and compare with F.linear: the only check that matches what oneDNN itself
+    decides (its bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and builds differ)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 32, generator=g).to(dtype)
+        x = torch.randn(3, 32, generator=g).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(out.float(), F.linear(x, w).float(), atol=tol, rtol=tol))
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        _once(f"probe-{dtype}", f"oneDNN cannot pack {dtype} linear weights here ({str(e).splitlines()[0]})")
+        return False
+
+
+def packed_linear_ok(dtype: torch.dtype) -> bool:
+    """Whether attnlab's Linear may use oneDNN pre-packed weights for inputs of ``dtype`` on CPU."""
+    if dtype not in (torch.float32, torch.bfloat16) or _env_off("ATTNLAB_PACKED_LINEAR"):
+        return False
+    if dtype == torch.bfloat16 and _env_on("ATTNLAB_NO_BF16"):
+        _once("packed-bf16-off", "packed bf16 linears off (ATTNLAB_NO_BF16=1): plain F.linear")
+        return False
+    if dtype not in _packed_probe:
+        _packed_probe[dtype] = onednn_linear_ops() and _probe_packed(dtype)
+        if not _packed_probe[dtype]:
+            _once(f"packed-{dtype}", f"packed {dtype} linears unavailable on this CPU: plain F.linear")
+    return _packed_probe[dtype]
+
+
+# -- compilation -------------------------------------------------------------------------------------
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would use for CPU code (it needs one; a bare machine may have none)."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++", "cl"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def can_compile(device: torch.device | str = "cpu") -> bool:
+    """Whether ``torch.compile`` can generate code for ``device`` here."""
+    if _env_off("ATTNLAB_COMPILE"):
+        _once("compile-off", "torch.compile off (ATTNLAB_COMPILE=0): eager decoding")
+        return False
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _once("compile-triton", "torch.compile on CUDA needs triton, which is not installed: eager decoding")
+            return False
+        return True
+    if device.type == "cpu" and cxx_compiler() is None:
+        _once("compile-cxx", "torch.compile on CPU needs a C++ compiler (none found): eager decoding")
+        return False
+    return device.type in ("cpu", "cuda")
+
+
+# -- the report -----------------------------------------------------------------------------------------
+
+
+def report() -> dict:
+    """Everything ``attnlab doctor`` prints, as a dict."""
+    flags = cpu_flags()
+    interesting = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
+                   "avx_ne_convert", "amx_bf16", "amx_tile", "asimd", "bf16", "sve", "i8mm"]
+    cuda = torch.cuda.is_available()
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": f"{platform.system()} {platform.machine()}",
+        "cpu": cpu_name(),
+        "cpu_isa": cpu_isa(),
+        "cpu_flags": [f for f in interesting if f in flags],
+        "threads": torch.get_num_threads(),
+        "cores": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if cuda else None,
+        "mps": mps,
+        "bf16_native_cpu": cpu_bf16_native(),
+        "bf16_native_cuda": bf16_native("cuda") if cuda else None,
+        "onednn": onednn_linear_ops(),
+        "packed_linear_fp32": packed_linear_ok(torch.float32),
+        "packed_linear_bf16": packed_linear_ok(torch.bfloat16),
+        "cxx_compiler": cxx_compiler(),
+        "compile_cpu": can_compile("cpu"),
+        "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE")
+                     if k in os.environ},
+    }
+
+
+def doctor_text(r: dict | None = None) -> str:
+    r = r or report()
+    yes = {True: "yes", False: "no", None: "-"}
+    bf16_cpu = "native (fast)" if r["bf16_native_cpu"] else "emulated (slow): --bf16 runs fp32"
+    lines = [
+        f"attnlab on {r['platform']}, Python {r['python']}, PyTorch {r['torch']}",
+        f"CPU          {r['cpu']} ({r['cpu_isa']}), {r['cores']} cores, {r['threads']} torch threads",
+        f"CPU flags    {' '.join(r['cpu_flags']) or '(none of interest found)'}",
+        f"GPU          {r['cuda'] or ('Apple MPS' if r['mps'] else 'none')}",
+        f"bf16 on CPU  {bf16_cpu}",
+        "",
+        "paths attnlab takes here:",
+        f"  CPU inference linears, fp32   {'oneDNN pre-packed weights' if r['packed_linear_fp32'] else 'F.linear (plain)'}",
+        f"  CPU inference linears, bf16   {'oneDNN pre-packed weights' if r['packed_linear_bf16'] else 'F.linear (plain)'}",
+        f"  train --bf16 on CPU           {'bf16 autocast' if r['bf16_native_cpu'] else 'fp32 (bf16 not native)'}",
+        f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}"
+        + ("; skipped in fp32, where eager packed linears are faster" if r["compile_cpu"] else ""),
+        f"  oneDNN ops in this build      {yes[r['onednn']]}",
+    ]
+    if r["switches"]:
+        lines.append("switches     " + " ".join(f"{k}={v}" for k, v in r["switches"].items()))
+    return "\n".join(lines)
+
+
+__all__ = ["cpu_flags", "cpu_name", "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16",
+           "packed_linear_ok", "onednn_linear_ops", "cxx_compiler", "can_compile", "report", "doctor_text"]
