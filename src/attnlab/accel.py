@@ -108,6 +108,28 @@ def cpu_isa() -> str:
     return platform.machine() or "unknown"
 
 
+# -- devices ------------------------------------------------------------------------------------------
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto``: CUDA, else MPS, else CPU. A named device must exist here."""
+    if name != "auto":
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"--device {name!r}: not a device name (auto, cpu, cuda, cuda:1, mps)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this PyTorch sees no CUDA GPU (use --device cpu or auto)")
+        if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ValueError(f"--device {name}: MPS is not available here (use --device cpu or auto)")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
 # -- bf16 ---------------------------------------------------------------------------------------------
 
 
@@ -264,5 +286,5 @@ def doctor_text(r: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["cpu_flags", "cpu_name", "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16",
+__all__ = ["pick_device", "cpu_flags", "cpu_name", "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16",
            "packed_linear_ok", "onednn_linear_ops", "cxx_compiler", "can_compile", "report", "doctor_text"]

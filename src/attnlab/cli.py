@@ -135,6 +135,13 @@ def cmd_train(args) -> int:
         except json.JSONDecodeError:
             overrides[key] = raw
     values["config_overrides"] = overrides
+    from .config import TransformerConfig
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TransformerConfig)})
+    if unknown:
+        given = {item.partition("=")[0] for item in args.set or []}
+        where = "--set" if set(unknown) & given else "config_overrides"
+        raise ConfigError(f"{where}: unknown model config field(s) {', '.join(unknown)} (known: "
+                          f"{', '.join(sorted(f.name for f in dataclasses.fields(TransformerConfig)))})")
     if values.get("betas") is not None:
         values["betas"] = tuple(values["betas"])
     else:
@@ -142,6 +149,31 @@ def cmd_train(args) -> int:
     train_args = TrainArgs(**values)
     if not train_args.train:
         raise UsageError("--train is required (a TSV file, or SRC_FILE,TGT_FILE)")
+    if train_args.preset:  # before reading data and training a tokenizer
+        try:
+            load_config(train_args.preset)
+        except ConfigError as e:
+            raise ConfigError(f"--preset {train_args.preset}: {e}") from None
+    if args.resume_dir:
+        import zipfile
+        ckpt = Path(args.resume_dir) / "checkpoint_last.pt"
+        if not ckpt.exists():
+            raise FileNotFoundError(f"--resume {args.resume_dir}: no checkpoint_last.pt there, nothing to resume "
+                                    "(start a new run with --out)")
+        if not zipfile.is_zipfile(ckpt):  # torch.save writes a zip: a cut one has no central directory
+            raise ValueError(f"{ckpt}: not a readable checkpoint (truncated or corrupt); the weights of the "
+                             f"last saved steps are in {Path(args.resume_dir) / 'checkpoints'}")
+        # the saved weights only fit the model they were trained as (--preset, --set)
+        from .train.tasks import TASKS
+        default = getattr(TASKS.get(train_args.task), "default_preset", "mt-small")
+        was = load_config(saved.get("preset") or default, **saved.get("config_overrides", {}))
+        now = load_config(train_args.preset or default, **train_args.config_overrides)
+        from_data = {"name", "vocab_size", "tgt_vocab_size", "share_embeddings", "pad_id", "bos_id", "eos_id", "unk_id"}
+        changed = [f"{f.name}={getattr(was, f.name)!r}, not {getattr(now, f.name)!r}" for f in dataclasses.fields(was)
+                   if f.name not in from_data and getattr(was, f.name) != getattr(now, f.name)]
+        if changed:
+            raise ValueError(f"--resume {args.resume_dir}: the saved run's model has {'; '.join(changed)}; a resumed "
+                             "run keeps its model (start a new run with --out to change it)")
     _check_writable(train_args.out)
     trainer = Trainer(train_args)
     trainer.setup()
@@ -185,10 +217,15 @@ def _check_writable(directory) -> None:
 
 
 def cmd_translate(args) -> int:
+    from .data.readers import read_lines
     from .generate.translate import translate
     from .modeldir import load
-    model, src_tok, tgt_tok = load(args.model, _device(args))
-    lines = [args.text] if args.text else _read_lines(args.input)
+    lines = [args.text] if args.text else _read_lines(args.input) if args.input in (None, "-") else \
+        read_lines(args.input, "sentences to translate")
+    model, src_tok, tgt_tok = load(args.model, _device(args), need_tokenizer=True)
+    if model.config.family != "encoder-decoder":
+        raise ValueError(f"{args.model} is {model.config.family}; attnlab translate needs an "
+                         "encoder-decoder (attnlab generate runs decoder-only models)")
     out = translate(model, src_tok, tgt_tok, lines, _generation_config(args), batch_size=args.batch_size,
                     nbest=bool(args.nbest))
     for item in out:
@@ -203,10 +240,18 @@ def cmd_translate(args) -> int:
 
 def cmd_evaluate(args) -> int:
     import json
+    from pathlib import Path
 
     from .modeldir import load
     from .train.tasks import load_task_info
     info = load_task_info(args.model)
+    if args.task and args.task != info["task"]:
+        if (Path(args.model) / "task.json").exists():
+            raise ValueError(f"--task {args.task}: {args.model} was trained for --task {info['task']} "
+                             f"(see its task.json)")
+        if args.task == "classify":
+            raise ValueError(f"--task classify: {args.model} has no task.json (where a classifier keeps its "
+                             "labels)")
     task = args.task or info["task"]
     if task == "lm":
         return _evaluate_lm(args, info)
@@ -223,10 +268,15 @@ def cmd_evaluate(args) -> int:
     else:
         if not (args.src and args.ref):
             raise ValueError("give --src and --ref files (or --data TSV)")
-        src, ref = _read_lines(args.src), _read_lines(args.ref)
+        from .data.readers import read_lines
+        src = _read_lines(args.src) if args.src == "-" else read_lines(args.src, "source sentences")
+        ref = _read_lines(args.ref) if args.ref == "-" else read_lines(args.ref, "reference translations")
         if len(src) != len(ref):
             raise ValueError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
-    model, src_tok, tgt_tok = load(args.model, _device(args))
+    model, src_tok, tgt_tok = load(args.model, _device(args), need_tokenizer=True)
+    if model.config.family != "encoder-decoder":
+        raise ValueError(f"{args.model} is {model.config.family}; translation scores need an "
+                         "encoder-decoder (--task lm or classify for other models)")
     hyps = translate(model, src_tok, tgt_tok, src, _generation_config(args), batch_size=args.batch_size)
     scores = corpus_scores(hyps, ref)
     if args.json:
@@ -247,7 +297,7 @@ def _evaluate_lm(args, info) -> int:
     from .train.tasks import lm_loss
     if not args.data:
         raise ValueError("attnlab evaluate --task lm needs --data TEXT_FILE")
-    model, tok, _ = load(args.model, _device(args))
+    model, tok, _ = load(args.model, _device(args), need_tokenizer=True)
     ids = torch.tensor(tok.encode(read_text(args.data)), dtype=torch.long)
     block = args.block_size or info.get("block_size") or model.config.max_len
     r = lm_loss(model, ids, block, model.device)
@@ -265,7 +315,7 @@ def _evaluate_mlm(args, info) -> int:
     from .train.tasks import mlm_rows, mlm_scores
     if not args.data:
         raise ValueError("attnlab evaluate --task mlm needs --data TEXT_FILE (one example per line)")
-    model, tok, _ = load(args.model, _device(args))
+    model, tok, _ = load(args.model, _device(args), need_tokenizer=True)
     if tok.mask_id is None:
         raise ValueError(f"{args.model}: its tokenizer has no <mask> token (not a --task mlm model)")
     lines = [l.strip() for l in read_text(args.data).splitlines() if l.strip()]
@@ -287,7 +337,7 @@ def _evaluate_classify(args, info) -> int:
         raise ValueError("attnlab evaluate --task classify needs --data FILE (label and text columns)")
     labels = info["labels"]
     data = read_labeled(args.data, args.label_col, args.text_col, known_labels=labels)
-    model, tok, _ = load(args.model, _device(args))
+    model, tok, _ = load(args.model, _device(args), need_tokenizer=True)
     pred, _ = predict_classes(model, encode_for_classifier(tok, data.texts, info), model.device)
     s = classification_scores([labels.index(l) for l in data.labels], pred, len(labels))
     if args.confusion_png:
@@ -308,8 +358,10 @@ def cmd_classify(args) -> int:
     info = load_task_info(args.model)
     if info["task"] != "classify":
         raise ValueError(f"{args.model} is a {info['task']} model, not a classifier")
-    model, tok, _ = load(args.model, _device(args))
-    lines = [args.text] if args.text else _read_lines(args.input)
+    from .data.readers import read_lines
+    lines = [args.text] if args.text else _read_lines(args.input) if args.input in (None, "-") else \
+        read_lines(args.input, "texts to classify")
+    model, tok, _ = load(args.model, _device(args), need_tokenizer=True)
     pred, prob = predict_classes(model, encode_for_classifier(tok, lines, info), model.device)
     for p, q in zip(pred, prob):
         print(f"{info['labels'][p]}\t{q:.4f}")
@@ -320,7 +372,7 @@ def cmd_attention(args) -> int:
     from .generate.translate import translate
     from .inspect.attention import attention_maps, plot_attention
     from .modeldir import load
-    model, src_tok, tgt_tok = load(args.model, _device(args))
+    model, src_tok, tgt_tok = load(args.model, _device(args), need_tokenizer=True)
     if model.config.family != "encoder-decoder":
         raise ValueError("attnlab attention draws encoder-decoder models (encoder, decoder and cross-attention)")
     translation = translate(model, src_tok, tgt_tok, [args.sentence])[0]
@@ -364,7 +416,7 @@ def cmd_generate(args) -> int:
                          "(use attnlab translate)")
     prompts = [args.prompt] if args.prompt not in (None, "-") else _read_lines("-")
     cfg = _generation_config(args)
-    for text in prompts:
+    for n, text in enumerate(prompts, 1):
         if args.chat:
             if not p.chat_template:
                 raise ValueError(f"{args.model} has no chat template; drop --chat")
@@ -373,6 +425,12 @@ def cmd_generate(args) -> int:
             ids = tok.encode(apply_chat_template(p.chat_template, messages))
         else:
             ids = tok.encode(text, bos=model.config.bos_id != model.config.eos_id and not p.chat_template)
+        if model.config.positions == "learned" and len(ids) >= model.config.max_len:
+            # as Hugging Face: learned positions end at max_len, there is no position for a new token
+            where = "--prompt" if args.prompt not in (None, "-") else f"stdin line {n}"
+            raise ValueError(f"{where}: the prompt is {len(ids)} tokens but {args.model} has a context of "
+                             f"{model.config.max_len} positions (learned position embeddings), leaving no room "
+                             f"to generate; shorten the prompt to at most {model.config.max_len - 1} tokens")
         x = torch.tensor([ids], device=model.device)
         prefix = "" if args.chat else text
         if args.stream and cfg.num_beams == 1:
@@ -414,9 +472,11 @@ def cmd_embed(args) -> int:
 
     import numpy as np
 
+    from .data.readers import read_lines
     from .pretrained import embed
+    lines = [args.text] if args.text else _read_lines(args.input) if args.input in (None, "-") else \
+        read_lines(args.input, "sentences to embed")
     p = _load_any(args.model, _device(args))
-    lines = [args.text] if args.text else _read_lines(args.input)
     vectors = embed(p, lines, batch_size=args.batch_size)
     if args.out and args.out.endswith(".npy"):
         np.save(args.out, vectors)
@@ -431,7 +491,7 @@ def cmd_embed(args) -> int:
 
 
 def _device(args):
-    from .train.trainer import pick_device
+    from .accel import pick_device
     return pick_device(getattr(args, "device", "auto") or "auto")
 
 

@@ -45,10 +45,9 @@ def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None 
     from .generate import GenerationConfig
     from .generate.translate import translate
     from .inspect.attention import attention_maps, plot_attention, plot_curves
-    from .accel import bf16_native, cpu_isa, cpu_name
+    from .accel import bf16_native, cpu_isa, cpu_name, pick_device
     from .modeldir import load
     from .train import TrainArgs, Trainer
-    from .train.trainer import pick_device
 
     corpus = corpus_dir()
     if threads:

@@ -53,7 +53,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     try:
         state = load_file(str(path))
     except Exception as e:  # a truncated or foreign file
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        raise ValueError(f"{path}: not a readable safetensors file, truncated or corrupt "
+                         f"({' '.join(str(e).split())[:200]})") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
     missing = [m for m in missing if m not in tied]
@@ -76,16 +77,48 @@ def save_model_dir(directory: str | Path, model, tokenizer=None, tgt_tokenizer=N
         atomic_write_text(d / "training_args.json", json.dumps(training_args, indent=2, default=str) + "\n")
 
 
-def load(directory: str | Path, device: str | torch.device = "cpu"):
-    """(model, tokenizer, target tokenizer) from a model directory. The target tokenizer is the
-    source one when the vocabulary is joint; tokenizers are None if the directory has none."""
+def _load_tokenizer(path: Path):
     from .data.tokenizer import Tokenizer
+    try:
+        return Tokenizer.load(path)
+    except Exception as e:  # the tokenizers library raises plain Exceptions for broken files
+        raise ValueError(f"{path}: not a readable tokenizer file ({' '.join(str(e).split())[:200]})") from None
+
+
+def load(directory: str | Path, device: str | torch.device = "cpu", need_tokenizer: bool = False):
+    """(model, tokenizer, target tokenizer) from a model directory. The target tokenizer is the
+    source one when the vocabulary is joint; tokenizers are None if the directory has none, unless
+    ``need_tokenizer`` (then a missing tokenizer.json, or tgt_tokenizer.json of a model with a
+    separate target vocabulary, is an error naming the file). A tokenizer with more tokens than
+    the model's vocabulary is always an error."""
     d = Path(directory)
+    if not d.exists():
+        raise FileNotFoundError(f"{d}: no such model directory")
     if not (d / "config.json").exists():
         raise FileNotFoundError(f"{d}: not a model directory (no config.json)")
-    model = build_model(TransformerConfig.from_json(d / "config.json"))
+    try:
+        config = TransformerConfig.from_json(d / "config.json")
+    except UnicodeDecodeError:
+        raise ValueError(f"{d / 'config.json'}: not UTF-8 text (a damaged model directory?)") from None
+    except TypeError as e:  # a field of the wrong kind reaches a check that cannot compare it
+        raise ValueError(f"{d / 'config.json'}: {e}") from None
+    separate = config.family == "encoder-decoder" and config.tgt_vocab_size is not None
+    if need_tokenizer:
+        for name in ("tokenizer.json", *(("tgt_tokenizer.json",) if separate else ())):
+            if not (d / name).exists():
+                raise FileNotFoundError(f"{d}: no {name} (the model directory is incomplete: copy {name} "
+                                        "from the directory the model was trained in)")
+    if not (d / "model.safetensors").exists():
+        raise FileNotFoundError(f"{d}: no model.safetensors (the model directory is incomplete)")
+    tok = _load_tokenizer(d / "tokenizer.json") if (d / "tokenizer.json").exists() else None
+    tgt = _load_tokenizer(d / "tgt_tokenizer.json") if (d / "tgt_tokenizer.json").exists() else tok
+    for name, t, size in (("tokenizer.json", tok, config.vocab_size),
+                          ("tgt_tokenizer.json" if tgt is not tok else "tokenizer.json", tgt,
+                           config.tgt_vocab_size if separate else config.vocab_size)):
+        if t is not None and t.vocab_size > size:
+            raise ValueError(f"{d / name}: {t.vocab_size} tokens, more than the model's vocabulary of {size} "
+                             "in config.json (the tokenizer belongs to another model)")
+    model = build_model(config, init=False)  # load_weights fills (and checks) every weight
     load_weights(model, d / "model.safetensors")
     model.to(device).eval()
-    tok = Tokenizer.load(d / "tokenizer.json") if (d / "tokenizer.json").exists() else None
-    tgt = Tokenizer.load(d / "tgt_tokenizer.json") if (d / "tgt_tokenizer.json").exists() else tok
     return model, tok, tgt

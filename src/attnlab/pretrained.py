@@ -65,12 +65,27 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32) -> Pr
     path = Path(name_or_path)
     if path.suffix == ".gguf":
         return _load_gguf(path, dtype)
-    if (path / "modules.json").exists() or (path / "config.json").exists() and "model_type" in json.loads(
-            (path / "config.json").read_text(encoding="utf-8")):
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory (expected {', '.join(NAMES)}, a .gguf file, "
+                                "a Hugging Face folder or an attnlab model directory)")
+    if path.is_file():
+        raise ValueError(f"{path}: a file, but not a .gguf one (expected {', '.join(NAMES)}, a .gguf file, "
+                         "a Hugging Face folder or an attnlab model directory)")
+    if (path / "modules.json").exists() or (path / "config.json").exists() and "model_type" in _read_json(
+            path / "config.json"):
         return _load_sentence_transformer(path, dtype)
     from .modeldir import load
-    model, tok, _ = load(path)
+    model, tok, _ = load(path, need_tokenizer=True)
     return Pretrained(model.to(dtype), tok)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text (expected JSON)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
 
 
 def _load_gguf(path: Path, dtype) -> Pretrained:
@@ -87,10 +102,10 @@ def _load_sentence_transformer(folder: Path, dtype) -> Pretrained:
     from .interop.hf import load_hf_folder
     pooling, normalize = None, False
     if (folder / "modules.json").exists():
-        for module in json.loads((folder / "modules.json").read_text(encoding="utf-8")):
+        for module in _read_json(folder / "modules.json"):
             kind = module["type"].rsplit(".", 1)[-1]
             if kind == "Pooling":
-                pc = json.loads((folder / module["path"] / "config.json").read_text(encoding="utf-8"))
+                pc = _read_json(folder / module["path"] / "config.json")
                 pooling = "mean" if pc.get("pooling_mode_mean_tokens") else "cls" if pc.get(
                     "pooling_mode_cls_token") else None
                 if pooling is None:
@@ -104,7 +119,7 @@ def _load_sentence_transformer(folder: Path, dtype) -> Pretrained:
     tk.no_padding()  # some tokenizer.json files pad every text to a fixed length; batches pad themselves
     cfg = model.config
     if (folder / "sentence_bert_config.json").exists():
-        max_len = json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length")
+        max_len = _read_json(folder / "sentence_bert_config.json").get("max_seq_length")
         if max_len:
             tk.enable_truncation(max_len)
     else:

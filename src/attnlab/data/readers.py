@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gzip
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -14,19 +15,48 @@ class DataError(ValueError):
 
 
 def open_text_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """(line number, line without newline) of a UTF-8 text file, plain or .gz."""
+    """(line number, line without newline) of a UTF-8 text file, plain or gzip-compressed (told by
+    its first bytes, whatever its name). A binary file, invalid UTF-8 and a corrupt or truncated
+    .gz are errors that name the file and the line."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid UTF-8 at byte {e.start} "
-                                f"({raw[max(0, e.start - 10): e.start + 10]!r})") from None
-            yield lineno, line.rstrip("\r\n")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a text file")
+    with open(path, "rb") as f:
+        compressed = f.read(2) == b"\x1f\x8b"
+    opener = gzip.open if compressed else open
+    lineno = 0
+    try:
+        with opener(path, "rb") as f:
+            head = f.peek(8192)[:8192] if hasattr(f, "peek") else b""
+            if b"\x00" in head:  # as git and grep tell a binary file: a NUL byte near the start
+                line = head.count(b"\n", 0, head.index(0)) + 1
+                raise DataError(f"{path}:{line}: binary data (a NUL byte), not a UTF-8 text file")
+            for lineno, raw in enumerate(f, 1):
+                if b"\x00" in raw:
+                    raise DataError(f"{path}:{lineno}: binary data (a NUL byte at byte {raw.index(0)}), "
+                                    "not a UTF-8 text file")
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    text = raw.rstrip(b"\r\n")
+                    raise DataError(f"{path}:{lineno}: invalid UTF-8 at byte {e.start} "
+                                    f"({text[max(0, e.start - 10): e.start + 10]!r})") from None
+                yield lineno, line.rstrip("\r\n")
+    except (EOFError, OSError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        if not compressed or isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
+            raise
+        raise DataError(f"{path}:{lineno + 1}: corrupt or truncated gzip data ({e})") from None
+
+
+def read_lines(path: str | Path, what: str = "lines") -> list[str]:
+    """Every line of a text file (blank ones too: outputs stay aligned with inputs); an empty
+    file (or one of blank lines only) is an error naming the file."""
+    lines = [line for _, line in open_text_lines(path)]
+    if not any(line.strip() for line in lines):
+        raise DataError(f"{path}: {'empty file' if not lines else 'only blank lines'}, no {what}")
+    return lines
 
 
 @dataclass
@@ -62,7 +92,8 @@ def read_tsv_pairs(path: str | Path, src_col: int = 0, tgt_col: int = 1, reverse
     if reverse:
         src, tgt = tgt, src
     if not src:
-        raise DataError(f"{path}: no sentence pairs found")
+        raise DataError(f"{path}: no sentence pairs found (the file is empty or blank; expected "
+                        "SOURCE<TAB>TARGET lines)")
     return Pairs(src, tgt, str(path))
 
 
@@ -86,7 +117,7 @@ def read_parallel_files(src_path: str | Path, tgt_path: str | Path, limit: int |
         if limit and len(src) >= limit:
             break
     if not src:
-        raise DataError(f"{src_path}: no sentence pairs found")
+        raise DataError(f"{src_path}: no sentence pairs found (the file is empty)")
     return Pairs(src, tgt, f"{src_path} + {tgt_path}")
 
 
@@ -119,7 +150,7 @@ def read_text(spec: str | Path) -> str:
         return "\n".join(read_text(f) for f in files)
     lines = [line for _, line in open_text_lines(path)]
     if not any(l.strip() for l in lines):
-        raise DataError(f"{path}: no text")
+        raise DataError(f"{path}: no text (the file is empty or blank)")
     return "\n".join(lines) + "\n"
 
 
@@ -155,7 +186,7 @@ def read_labeled(path: str | Path, label_col: int | None = None, text_col: int |
     else:
         rows = [(n, l.split("\t")) for n, l in lines if l.strip()]
     if not rows:
-        raise DataError(f"{path}: no rows")
+        raise DataError(f"{path}: no rows (the file is empty or blank; expected LABEL<TAB>TEXT lines)")
     first = [f.strip().lower() for f in rows[0][1]]
     if "label" in first:
         lc = first.index("label") if label_col is None else label_col

@@ -378,7 +378,49 @@ def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationCo
     return finished
 
 
-# -- entry point --------------------------------------------------------------------------------------
+# -- entry points -------------------------------------------------------------------------------------
+
+
+def lm_budget(model, prompt_len: int, cfg: GenerationConfig) -> int:
+    """New tokens for a decoder-only prompt: ``max_new_tokens`` (default 128), and never past the
+    last position the model has (learned positions stop at ``max_len``; a prompt that already fills
+    the context is an error, as in Hugging Face)."""
+    mcfg = model.config
+    max_new = cfg.max_new_tokens or 128
+    if mcfg.positions == "learned":
+        if prompt_len >= mcfg.max_len:
+            raise ValueError(f"the prompt is {prompt_len} tokens but the model's context is {mcfg.max_len} "
+                             "positions (learned positions): shorten the prompt")
+        max_new = min(max_new, mcfg.max_len - prompt_len)
+    return max_new
+
+
+@torch.inference_mode()
+def stream(model, prompt_ids: list[int], config: GenerationConfig | None = None, **overrides) -> Iterator[int]:
+    """Greedy or sampled decoding of one decoder-only prompt, yielding each new token id as soon as it
+    exists (EOS ends the stream and is not yielded). The same tokens as ``generate`` on that prompt."""
+    cfg = config or GenerationConfig()
+    if overrides:
+        cfg = GenerationConfig(**{**cfg.__dict__, **overrides})
+    cfg.validate()
+    if cfg.num_beams > 1 and not cfg.do_sample:
+        raise ValueError("streaming is greedy or sampled decoding; beam search (num_beams > 1) cannot stream")
+    if not isinstance(model, DecoderOnly):
+        raise TypeError(f"streaming needs a decoder-only model, got {type(model).__name__}")
+    was_training = model.training
+    model.eval()
+    try:
+        x = torch.tensor([prompt_ids], device=model.device)
+        max_new = lm_budget(model, x.shape[1], cfg)
+        stepper = DecoderOnlyStepper(model, x, None, capacity=x.shape[1] + max_new + 1, compile=cfg.compile)
+        eos = model.config.eos_id
+        for _, t in stream_tokens(stepper, 1, None, cfg, eos, max_new, [list(prompt_ids)], model.config.pad_id):
+            if t.item() == eos:
+                return
+            yield t.item()
+    finally:
+        model.train(was_training)
+
 
 
 @torch.inference_mode()  # cheaper than no_grad: no version counters, no view tracking
@@ -408,9 +450,7 @@ def generate(model, inputs: torch.Tensor, input_mask: torch.Tensor | None = None
         start = torch.full((B * K, 1), mcfg.bos_id, dtype=torch.long, device=inputs.device)
         prompts = None
     elif isinstance(model, DecoderOnly):
-        max_new = cfg.max_new_tokens or 128
-        if mcfg.positions == "learned":
-            max_new = min(max_new, mcfg.max_len - inputs.shape[1])
+        max_new = lm_budget(model, inputs.shape[1], cfg)
         stepper = DecoderOnlyStepper(model, inputs, input_mask, expand=K, capacity=inputs.shape[1] + max_new + 1,
                                      compile=cfg.compile)
         start = None if K == 1 else torch.zeros(B * K, 1, dtype=torch.long, device=inputs.device)

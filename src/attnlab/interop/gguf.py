@@ -54,7 +54,12 @@ def gguf_config(reader, path: str = "") -> TransformerConfig:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (attnlab reads 'llama')")
-    g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
+    def g(key, default=None):
+        value = _field(reader, f"llama.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: the GGUF metadata has no llama.{key} (an incomplete Llama file)")
+        return value
+
     d_model, n_heads = int(g("embedding_length")), int(g("attention.head_count"))
     names = {t.name for t in reader.tensors}
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
@@ -106,7 +111,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
         sd[f"{a}.feed_forward.w_in.weight"] = torch.cat([T(f"{b}.ffn_gate.weight"), T(f"{b}.ffn_up.weight")], 0)
         sd[f"{a}.feed_forward.w_out.weight"] = T(f"{b}.ffn_down.weight")
         sd[f"{a}.ffn_residual.norm.weight"] = T(f"{b}.ffn_norm.weight")
-    model = build_model(cfg)
+    model = build_model(cfg, init=False)  # every weight is loaded next (checked)
     missing_keys, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected or [m for m in missing_keys if m != "lm_head.weight"]:
         raise ValueError(f"{path}: weights do not fit the config (missing {missing_keys}, unexpected {unexpected})")

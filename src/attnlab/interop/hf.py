@@ -329,7 +329,7 @@ def from_state_dict(c, sd: dict, base_prefix: str = "", pooling: str | None = No
         cfg = _llama_config(c)
     else:
         raise ValueError(f"unsupported architecture {arch!r}; attnlab.interop.hf supports {', '.join(ARCHITECTURES)}")
-    model = build_model(cfg)
+    model = build_model(cfg, init=False)  # every weight is loaded next (checked)
     ours = {}
     for rule in _prefixed(_rules(cfg, arch), prefix):
         if rule.hf[0] not in sd and rule.ours == "lm_head.bias":  # a base model has no final_logits_bias
@@ -356,7 +356,15 @@ def load_hf_folder(path, pooling: str | None = None) -> TransformerBase:
     d = Path(path)
     if not (d / "config.json").exists():
         raise FileNotFoundError(f"{d}: no config.json (not a Hugging Face model folder)")
-    c = _ConfigDict(json.loads((d / "config.json").read_text(encoding="utf-8")))
+    try:
+        data = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{d / 'config.json'}: not UTF-8 text (expected JSON)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{d / 'config.json'}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{d / 'config.json'}: expected a JSON object of config fields")
+    c = _ConfigDict(data)
     weights = d / "model.safetensors"
     if not weights.exists():
         raise FileNotFoundError(f"{d}: no model.safetensors")

@@ -10,6 +10,8 @@ projection → logits over the target vocabulary (softmax is left to the loss / 
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import torch
@@ -341,6 +343,24 @@ class EncoderOnly(TransformerBase):
 MODEL_CLASSES = {"encoder-decoder": EncoderDecoder, "decoder-only": DecoderOnly, "encoder-only": EncoderOnly}
 
 
-def build_model(cfg: TransformerConfig) -> TransformerBase:
-    """The model class for the config's family, freshly initialised."""
-    return MODEL_CLASSES[cfg.family](cfg)
+def build_model(cfg: TransformerConfig, init: bool = True) -> TransformerBase:
+    """The model class for the config's family, freshly initialised. ``init=False`` skips the
+    initialisation (the weights are uninitialised memory) for a caller that loads every weight next,
+    as the loaders do: drawing 135M random numbers costs seconds and is thrown away."""
+    if init:
+        return MODEL_CLASSES[cfg.family](cfg)
+    with _no_init():
+        return MODEL_CLASSES[cfg.family](cfg)
+
+
+@contextlib.contextmanager
+def _no_init():
+    names = ("uniform_", "normal_", "kaiming_uniform_", "xavier_uniform_", "zeros_", "ones_", "trunc_normal_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)

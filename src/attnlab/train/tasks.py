@@ -278,7 +278,7 @@ class ClassificationTask:
         if args.init and (Path(args.init) / "config.json").exists():  # e.g. a `--task mlm` directory
             from ..modeldir import load
             from ..pretrained import Pretrained
-            model, tok, _ = load(args.init)
+            model, tok, _ = load(args.init, need_tokenizer=True)
             if model.config.family != "encoder-only":
                 raise DataError(f"--init {args.init}: a {model.config.family} model cannot initialise a classifier")
             self.init, self.tok = Pretrained(model, tok), tok
@@ -525,8 +525,25 @@ def save_task_info(out: Path, info: dict) -> None:
 
 
 def load_task_info(directory) -> dict:
-    p = Path(directory) / "task.json"
-    return json.loads(p.read_text(encoding="utf-8")) if p.exists() else {"task": "translation"}
+    d = Path(directory)
+    if not d.exists():
+        raise FileNotFoundError(f"{d}: no such model directory")
+    if not (d / "config.json").exists():
+        raise FileNotFoundError(f"{d}: not a model directory (no config.json)")
+    p = d / "task.json"
+    if not p.exists():
+        return {"task": "translation"}
+    try:
+        info = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{p}: not UTF-8 text (a damaged model directory?)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}:{e.lineno}: not valid JSON ({e.msg}); a damaged model directory?") from None
+    if not isinstance(info, dict) or info.get("task") not in TASKS:
+        raise ValueError(f"{p}: expected a JSON object with \"task\": one of {', '.join(TASKS)}")
+    if info["task"] == "classify" and not (isinstance(info.get("labels"), list) and info["labels"]):
+        raise ValueError(f"{p}: a classifier's task.json needs its \"labels\" list")
+    return info
 
 
 def encode_for_classifier(tok, texts: list[str], info: dict) -> list[list[int]]:

