@@ -93,7 +93,7 @@ def run_attnlab(out, model_dir, bf16, steps=2000):
 _EVAL = """
 import json, sys, torch
 from attnlab.modeldir import load
-from attnlab.train.tasks import lm_loss
+from attnlab.evaluate.scoring import lm_loss
 model, tok, _ = load(sys.argv[1])
 ids = torch.tensor(tok.encode(open(sys.argv[2], encoding='utf-8').read()))
 val = ids[int(len(ids) * 0.9):]

@@ -46,9 +46,9 @@ def test_kinds_and_unsupported_calls(dirs):
     mt, lm, cls = (attnlab.load(dirs[k], device="cpu") for k in ("translation", "lm", "classify"))
     assert (mt.kind, lm.kind, cls.kind) == ("translation", "lm", "classify")
     assert isinstance(mt, LoadedModel) and mt.config.family == "encoder-decoder"
-    with pytest.raises(ValueError, match="is a translation model.*generate needs a lm model"):
+    with pytest.raises(ValueError, match="is encoder-decoder \\(a translation model\\): generate needs a lm model"):
         mt.generate(["hi"])
-    with pytest.raises(ValueError, match="is a lm model.*translate needs a translation model"):
+    with pytest.raises(ValueError, match="is decoder-only \\(a lm model\\): translate needs a translation model.*use attnlab generate"):
         lm.translate(["hi"])
     with pytest.raises(ValueError, match="classify needs a classify model"):
         mt.classify(["hi"])
@@ -86,7 +86,7 @@ def test_stream_joins_to_generate_and_context_is_checked(dirs):
     assert "".join(pieces) == m.generate(["Tom"], cfg)[0] and len(pieces) >= 1
     sampled = GenerationConfig(max_new_tokens=10, do_sample=True, seed=3, top_k=5)
     assert "".join(m.stream("Tom", sampled)) == m.generate(["Tom"], sampled)[0]
-    with pytest.raises(ValueError, match="the prompt is 61 tokens but the model's context is 48 positions"):
+    with pytest.raises(ValueError, match="the prompt is 61 tokens but the model has a context of 48 positions"):
         m.generate(["x" * 60])
     with pytest.raises(ValueError, match="beam search"):
         list(m.stream("Tom", GenerationConfig(num_beams=2)))

@@ -42,11 +42,11 @@ def test_flag_out_of_range_is_a_usage_error(capsys):
 
 
 def test_internal_error_is_one_line_with_debug_hint(monkeypatch, capsys):
-    import attnlab.cli as cli
+    import attnlab.cli.params as params
 
     def boom(args):
         raise ZeroDivisionError("division by zero")
-    monkeypatch.setattr(cli, "cmd_params", boom)
+    monkeypatch.setattr(params, "run", boom)
     assert main(["params", "mt-tiny"]) == 1
     err = capsys.readouterr().err
     assert "internal error: ZeroDivisionError" in err and "rerun with --debug" in err and "Traceback" not in err

@@ -1,13 +1,13 @@
-"""The pre-packed CPU inference path of attnlab's Linear against F.linear (the oracle)."""
+"""The pre-packed CPU inference path (accel.PackedLinear) against F.linear (the oracle)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.model import linear as linear_mod
-from attnlab.model.linear import Linear
+from attnlab import accel as linear_mod
+from attnlab.accel import PackedLinear as Linear
 
-pytestmark = pytest.mark.skipif(not linear_mod._ONEDNN, reason="oneDNN not in this PyTorch build")
+pytestmark = pytest.mark.skipif(not linear_mod.onednn_linear_ops(), reason="oneDNN not in this PyTorch build")
 
 
 @pytest.mark.parametrize("shape", [(1, 48), (7, 48), (2, 5, 48)])
@@ -56,9 +56,13 @@ def test_model_logits_with_and_without_packing(monkeypatch):
     from attnlab.model import build_model
     torch.manual_seed(0)
     model = build_model(get_preset("llama-mini", vocab_size=300, n_decoder_layers=2)).eval()
+    assert not any(isinstance(m, Linear) for m in model.modules())  # the model files are plain nn.Linear
+    linear_mod.accelerate_for_inference(model)
+    assert sum(isinstance(m, Linear) for m in model.modules()) >= 2 * 4 + 1
     ids = torch.randint(0, 300, (2, 9))
     with torch.no_grad():
         packed = model(ids)
+        assert any(linear_mod._packed.get(m) is not None for m in model.modules())
         monkeypatch.setattr(linear_mod, "PACKED", False)
         plain = model(ids)
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)

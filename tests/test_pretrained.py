@@ -136,12 +136,13 @@ def test_missing_package_names_the_extra(monkeypatch):
 def test_printed_continuation_keeps_the_space_a_token_starts_with(smollm2):
     """`attnlab generate` prints prompt + continuation: " Paris" must not become "Paris", and a
     chat prompt's end-of-turn tokens must not cut the continuation away."""
-    from attnlab.cli import _continuation
+    from attnlab.api import LoadedModel
     from attnlab.pretrained import apply_chat_template
     tok = smollm2.tokenizer
+    _continuation = LoadedModel(smollm2.model, tok, kind="lm").continuation
     prompt = tok.encode("The capital of France is")
     new = tok.encode("The capital of France is Paris.")[len(prompt):]
-    assert _continuation(tok, prompt, new) == " Paris."
+    assert _continuation(prompt, new) == " Paris."
     chat = tok.encode(apply_chat_template(smollm2.chat_template, [{"role": "user", "content": "Capital of France?"}]))
     assert tok.eos_id in chat  # an end-of-turn token inside the prompt (Tokenizer.decode would cut there)
-    assert _continuation(tok, chat, tok.encode("Paris is the capital.")) == "Paris is the capital."
+    assert _continuation(chat, tok.encode("Paris is the capital.")) == "Paris is the capital."

@@ -114,7 +114,7 @@ def test_label_files_errors_name_the_line(tmp_path):
 
 
 def test_mask_tokens_follows_bert_15_percent_80_10_10():
-    from attnlab.train.tasks import mask_tokens
+    from attnlab.data.encoding import mask_tokens
     g = torch.Generator().manual_seed(0)
     V, n_special, mask_id = 1000, 5, 4
     ids = torch.randint(n_special, V, (400, 250), generator=g)

@@ -1,8 +1,9 @@
 """What this machine runs fast, and which path attnlab takes: every capability check in one place.
 
-attnlab's optimised paths — pre-packed oneDNN linear weights (``model/linear.py``), bf16 autocast in
-training and bf16 inference, the compiled decode step (``generate/search.py``) — are *capabilities*,
-never assumptions. Each asks here first; where the answer is no, the plain PyTorch path runs with the
+The model files are plain PyTorch (``nn.Linear``, one attention function). The speed tricks live
+here: ``accelerate_for_inference(model)`` gives every linear layer oneDNN pre-packed weights
+(:class:`PackedLinear`); ``compiled_step`` (``generate/search.py``) asks :func:`can_compile`; bf16
+autocast asks :func:`bf16_native`. Each is a *capability*, never an assumption. Each asks here first; where the answer is no, the plain PyTorch path runs with the
 same results, and one debug line per process says so (``logging.getLogger("attnlab")``).
 
 Why checks and not try/except around the hot path: the failures are not always errors. oneDNN's bf16
@@ -27,10 +28,12 @@ import platform
 import shutil
 import subprocess
 import sys
+import weakref
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 log = logging.getLogger("attnlab")
 _said: set[str] = set()
@@ -199,6 +202,59 @@ def packed_linear_ok(dtype: torch.dtype) -> bool:
     return _packed_probe[dtype]
 
 
+class PackedLinear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict keys) with oneDNN pre-packed weights for CPU
+    inference.
+
+    Why: on CPU, ``F.linear`` goes to MKL, which reads the (out, in) weight in its stored layout at
+    every call; oneDNN can instead re-lay the weight out once into the blocked layout its kernels
+    stream best (what ``torch.compile`` does on CPU when it freezes weights). The gain is largest for
+    the matrix-vector products of decoding (measured ratios: docs/results.md, by CPU).
+
+    The packed weight is a cache, never state: made on the first call that can use it and made again
+    whenever the weight changes (PyTorch bumps a tensor's version counter on every in-place update,
+    e.g. an optimizer step; ``.to()`` and ``load_state_dict`` give new storage or a new version), so
+    training and reloading stay correct. It is used only where nothing needs gradients, on CPU, in a
+    dtype this CPU can pack (:func:`packed_linear_ok`), outside autocast (which must keep choosing the
+    compute dtype) and outside ``torch.compile`` (which packs weights itself). It costs one extra copy
+    of the weights in memory.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (PACKED and x.device.type == "cpu" and x.dtype == w.dtype and x.dim() >= 2 and x.numel()
+                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+                and packed_linear_ok(w.dtype)):
+            try:
+                key = (w._version, w.data_ptr(), w.dtype)  # in-place updates bump the version
+            except RuntimeError:  # an inference-mode tensor has no version counter: no cache
+                return F.linear(x, w, self.bias)
+            entry = _packed.get(self)
+            # The entry holds the storage it was packed from, so no new weight can reuse its address.
+            if entry is None or entry[1] != key:
+                entry = (w.detach(), key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_ROWS_HINT))
+                _packed[self] = entry
+            return torch.ops.mkldnn._linear_pointwise(x, entry[2], None if self.bias is None else self.bias.detach(),
+                                                      "none", [], "")
+        return F.linear(x, w, self.bias)
+
+
+PACKED = True  # programmatic switch; ATTNLAB_PACKED_LINEAR=0 in the environment is checked per dtype
+_PACK_ROWS_HINT = 64  # a pack for 64 rows serves 1…256-row inputs well; a pack for 1 row does not
+_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → (source, key, packed)
+
+
+def accelerate_for_inference(model: nn.Module) -> nn.Module:
+    """Give every ``nn.Linear`` of ``model`` the pre-packed CPU inference path (in place; idempotent).
+    Parameters, state-dict keys, training and results are unchanged: where packing does not apply
+    (gradients, autocast, GPU, a dtype this CPU cannot pack) the layer is ``F.linear``."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = PackedLinear
+    return model
+
+
 # -- compilation -------------------------------------------------------------------------------------
 
 
@@ -286,5 +342,5 @@ def doctor_text(r: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["pick_device", "cpu_flags", "cpu_name", "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16",
+__all__ = ["PackedLinear", "accelerate_for_inference", "pick_device", "cpu_flags", "cpu_name", "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16",
            "packed_linear_ok", "onednn_linear_ops", "cxx_compiler", "can_compile", "report", "doctor_text"]

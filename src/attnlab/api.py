@@ -56,8 +56,10 @@ class LoadedModel:
 
     def _need(self, *kinds: str, call: str) -> None:
         if self.kind not in kinds:
-            raise ValueError(f"{self.name or 'this model'} is a {self.kind} model ({self.config.family}); "
-                             f"{call} needs a {' or '.join(kinds)} model")
+            use = {"translation": "translate", "lm": "generate", "classify": "classify", "mlm": "embed",
+                   "embedding": "embed"}[self.kind]
+            raise ValueError(f"{self.name or 'this model'} is {self.config.family} (a {self.kind} model): {call} "
+                             f"needs a {' or '.join(kinds)} model ({KINDS[kinds[0]]}); use attnlab {use}")
 
     # -- translation -------------------------------------------------------------------------------------
     def translate(self, texts: list[str], options: GenerationConfig | None = None, batch_size: int = 64,
@@ -139,7 +141,8 @@ class LoadedModel:
 
     def classify(self, texts: list[str]) -> list[tuple[str, float]]:
         """(label, probability of that label) per text."""
-        from .train.tasks import encode_for_classifier, predict_classes
+        from .data.encoding import encode_for_classifier
+        from .evaluate.scoring import predict_classes
         self._need("classify", call="classify")
         pred, prob = predict_classes(self.module, encode_for_classifier(self.tokenizer, texts, self.task), self.device)
         return [(self.task["labels"][p], q) for p, q in zip(pred, prob)]
@@ -161,7 +164,7 @@ class LoadedModel:
                                  f"({len(texts)} sources, {0 if references is None else len(references)} references)")
             return corpus_scores(self.translate(list(texts), options, batch_size), list(references))
         if self.kind == "lm":
-            from .train.tasks import lm_loss
+            from .evaluate.scoring import lm_loss
             text = texts if isinstance(texts, str) else "\n".join(texts)
             ids = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)
             block = block_size or self.task.get("block_size") or self.config.max_len
@@ -169,7 +172,8 @@ class LoadedModel:
             return {"loss": r["val_loss"], "perplexity": r["val_ppl"], "tokens": r["tokens"], "block_size": block}
         if self.kind == "classify":
             from .evaluate.classification import classification_scores
-            from .train.tasks import encode_for_classifier, predict_classes
+            from .data.encoding import encode_for_classifier
+            from .evaluate.scoring import predict_classes
             labels = self.task["labels"]
             unknown = sorted(set(references or []) - set(labels))
             if references is None or len(references) != len(texts) or unknown:
@@ -178,7 +182,8 @@ class LoadedModel:
             pred, _ = predict_classes(self.module, encode_for_classifier(self.tokenizer, texts, self.task), self.device)
             return classification_scores([labels.index(l) for l in references], pred, len(labels))
         if self.kind == "mlm":
-            from .train.tasks import mlm_rows, mlm_scores
+            from .data.encoding import mlm_rows
+            from .evaluate.scoring import mlm_scores
             if self.tokenizer.mask_id is None:
                 raise ValueError(f"{self.name}: its tokenizer has no <mask> token (not a --task mlm model)")
             lines = [l.strip() for l in ([texts] if isinstance(texts, str) else texts) for l in l.splitlines() if l.strip()]
@@ -198,8 +203,9 @@ def load(name_or_dir: str | Path, device: str | torch.device = "auto", bf16: boo
     dev = pick_device(str(device))
     dtype = torch.bfloat16 if resolve_bf16(bf16, dev) else torch.float32
     spec = str(name_or_dir)
+    from .accel import accelerate_for_inference
     p = load_pretrained(spec, dtype)
-    p.model.to(dev).eval()
+    accelerate_for_inference(p.model.to(dev).eval())
     task = _task_record(spec)
     family = p.model.config.family
     if task:
@@ -225,7 +231,7 @@ def _task_record(spec: str) -> dict:
         return {}
     if not is_ours:
         return {}
-    from .train.tasks import load_task_info
+    from .modeldir import load_task_info
     return load_task_info(d)
 
 

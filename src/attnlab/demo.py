@@ -13,7 +13,7 @@ from pathlib import Path
 
 # The recipe, chosen by measurement on the dev split on 2 CPU cores (docs/results.md):
 # - small batches (2000 tokens): on CPU they give the most tokens/s *and* the most updates in a
-#   fixed time; ~3 updates/s for the model below with bf16 autocast;
+#   fixed time (updates/s by CPU: docs/results.md);
 # - separate 4000-token BPE vocabularies: the Chinese side is close to character level, which is
 #   what sacreBLEU's zh tokenizer scores;
 # - Pre-Norm, peak lr 1.5e-3 with 300 warmup steps, cosine decay to 0 over the time budget: a short
@@ -22,7 +22,7 @@ from pathlib import Path
 # - bf16 autocast only where the CPU has native bf16 (AVX512-BF16/AMX): emulated bf16 is ~6x slower.
 DEMO_RECIPE = dict(preset="mt-small", vocab_size=4000, max_tokens=2000, lr=1.5e-3, schedule="cosine",
                    warmup=300, label_smoothing=0.1, eval_sentences=200, beam=1)
-EVAL_EVERY = 200  # dev loss + BLEU every 200 updates: a readable curve for ~4 s per point
+EVAL_EVERY = 200  # dev loss + BLEU every 200 updates: enough points for a readable curve
 EXAMPLES = ["I love coding.", "How are you?", "The weather is nice today.", "Where is the train station?",
             "I don't know what to do."]
 

@@ -122,3 +122,35 @@ def load(directory: str | Path, device: str | torch.device = "cpu", need_tokeniz
     load_weights(model, d / "model.safetensors")
     model.to(device).eval()
     return model, tok, tgt
+
+
+# -- the task record -------------------------------------------------------------------------------------
+
+
+def save_task_info(out: str | Path, info: dict) -> None:
+    """task.json: what the model directory was trained for (task, labels, block size, …)."""
+    atomic_write_text(Path(out) / "task.json", json.dumps(info, ensure_ascii=False, indent=2) + "\n")
+
+
+def load_task_info(directory: str | Path) -> dict:
+    """task.json of a model directory; a directory without one is a translator (the first task)."""
+    d = Path(directory)
+    if not d.exists():
+        raise FileNotFoundError(f"{d}: no such model directory")
+    if not (d / "config.json").exists():
+        raise FileNotFoundError(f"{d}: not a model directory (no config.json)")
+    p = d / "task.json"
+    if not p.exists():
+        return {"task": "translation"}
+    try:
+        info = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{p}: not UTF-8 text (a damaged model directory?)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}:{e.lineno}: not valid JSON ({e.msg}); a damaged model directory?") from None
+    if not isinstance(info, dict) or not isinstance(info.get("task"), str):
+        raise ValueError(f"{p}: expected a JSON object with a \"task\" name")
+    if info["task"] == "classify" and not (isinstance(info.get("labels"), list) and info["labels"]):
+        raise ValueError(f"{p}: a classifier's task.json needs its \"labels\" list")
+    return info
+

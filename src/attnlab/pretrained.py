@@ -26,6 +26,7 @@ class Pretrained:
     tokenizer: object
     chat_template: str | None = None
     normalize: bool = False  # embeddings: L2-normalise (sentence-transformers' Normalize module)
+    tgt_tokenizer: object = None  # a translator's target tokenizer (None: the source one)
 
 
 def _missing(package: str):
@@ -57,7 +58,8 @@ def smollm2_path() -> Path:
 
 
 def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32) -> Pretrained:
-    """'minilm', 'smollm2', an HF folder, a .gguf file, or an attnlab model directory."""
+    """'minilm', 'smollm2', an HF folder, a .gguf file, or an attnlab model directory: the one
+    dispatch behind ``attnlab.load`` (which wraps the result in a ``LoadedModel``)."""
     if name_or_path == "minilm":
         return _load_sentence_transformer(minilm_path(), dtype)
     if name_or_path == "smollm2":
@@ -75,8 +77,8 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32) -> Pr
             path / "config.json"):
         return _load_sentence_transformer(path, dtype)
     from .modeldir import load
-    model, tok, _ = load(path, need_tokenizer=True)
-    return Pretrained(model.to(dtype), tok)
+    model, tok, tgt = load(path, need_tokenizer=True)
+    return Pretrained(model.to(dtype), tok, tgt_tokenizer=tgt)
 
 
 def _read_json(path: Path):
@@ -136,7 +138,8 @@ def embed(pretrained: Pretrained, sentences: list[str], batch_size: int = 32):
     import numpy as np
 
     from .data.batching import pad_batch
-    model, tok = pretrained.model, pretrained.tokenizer
+    from .accel import accelerate_for_inference
+    model, tok = accelerate_for_inference(pretrained.model), pretrained.tokenizer
     if model.config.family != "encoder-only":
         raise ValueError("embeddings need an encoder-only model (e.g. --model minilm)")
     encoded = tok.encode_batch(sentences)

@@ -61,3 +61,17 @@ def collate_pairs(src: list[list[int]], tgt: list[list[int]], pad_id: int):
     src_ids = pad_batch(src, pad_id)
     tgt_ids = pad_batch(tgt, pad_id)
     return src_ids, src_ids != pad_id, tgt_ids[:, :-1], tgt_ids[:, 1:]
+
+
+def padded(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, is_token): right-padded ids (B, T) and the boolean mask of real tokens (B, T)."""
+    ids = pad_batch(seqs, pad_id)
+    lengths = torch.tensor([len(s) for s in seqs])
+    return ids, torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+
+
+def by_length(encoded: list[list[int]], batch_size: int):
+    """Batches of indices of sequences of similar length (little padding), shortest first."""
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    for s in range(0, len(order), batch_size):
+        yield order[s: s + batch_size]

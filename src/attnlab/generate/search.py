@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from ..accel import can_compile
+from ..accel import accelerate_for_inference, can_compile
 from ..model.transformer import DecoderOnly, EncoderDecoder
 
 log = logging.getLogger("attnlab")
@@ -77,11 +77,12 @@ def compiled_step(model: torch.nn.Module, fn):
     rivals the matrix products. Inductor fuses them, and with ``freezing`` it treats the weights as
     constants and pre-packs them. Shapes are dynamic (the KV cache grows, finished rows leave the
     batch), so one compilation serves a whole generation and later ones. Compiling costs about a
-    minute for a 30-layer model on 2 CPU cores: worth it for long or repeated generation (SmolLM2
-    bf16 on CPU: 72 → 90 tokens/s in ``benchmarks/smollm2_speed.py``). On CPU in fp32 inductor's
-    frozen linears are MKL's, slower for one row than attnlab's eager oneDNN-packed ones (35 vs 54
-    tokens/s), so there the eager step is kept. Frozen weights are a snapshot: when a parameter
-    changes, the step is compiled again.
+    minute for a 30-layer model on 2 CPU cores: worth it for long or repeated generation. On CPU in
+    fp32 inductor's frozen linears are MKL's, slower for one row than the eager oneDNN-packed ones
+    (``accel.PackedLinear``), so there the eager step is kept (measured: docs/results.md). Where
+    ``accel.can_compile`` says no (no C++ compiler, no triton) or the build fails, the eager step
+    runs, with the same results. Frozen weights are a snapshot: when a parameter changes, the step is
+    compiled again.
     """
     p0 = next(model.parameters())
     if p0.device.type == "cpu" and p0.dtype == torch.float32:
@@ -389,8 +390,9 @@ def lm_budget(model, prompt_len: int, cfg: GenerationConfig) -> int:
     max_new = cfg.max_new_tokens or 128
     if mcfg.positions == "learned":
         if prompt_len >= mcfg.max_len:
-            raise ValueError(f"the prompt is {prompt_len} tokens but the model's context is {mcfg.max_len} "
-                             "positions (learned positions): shorten the prompt")
+            raise ValueError(f"the prompt is {prompt_len} tokens but the model has a context of {mcfg.max_len} "
+                             f"positions (learned positions), leaving no room to generate: shorten it to at most "
+                             f"{mcfg.max_len - 1} tokens")
         max_new = min(max_new, mcfg.max_len - prompt_len)
     return max_new
 
@@ -407,6 +409,7 @@ def stream(model, prompt_ids: list[int], config: GenerationConfig | None = None,
         raise ValueError("streaming is greedy or sampled decoding; beam search (num_beams > 1) cannot stream")
     if not isinstance(model, DecoderOnly):
         raise TypeError(f"streaming needs a decoder-only model, got {type(model).__name__}")
+    accelerate_for_inference(model)
     was_training = model.training
     model.eval()
     try:
@@ -437,6 +440,7 @@ def generate(model, inputs: torch.Tensor, input_mask: torch.Tensor | None = None
     if overrides:
         cfg = GenerationConfig(**{**cfg.__dict__, **overrides})
     cfg.validate()
+    accelerate_for_inference(model)  # pre-packed CPU linears where this CPU can (same results)
     was_training = model.training
     model.eval()
     mcfg = model.config

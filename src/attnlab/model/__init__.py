@@ -6,16 +6,15 @@ Nothing in this package imports from the layers above it (train, generate, inspe
 from .attention import KVCache, MultiHeadAttention, causal_mask, combine_masks, padding_mask, scaled_dot_product_attention
 from .embedding import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
                         TokenEmbedding, alibi_slopes, sinusoidal_table)
-from .linear import Linear
 from .layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward, RMSNorm, SublayerConnection
 from .transformer import (DecoderCache, DecoderOnly, EncoderDecoder, EncoderOnly, MODEL_CLASSES,
-                          TransformerBase, build_model)
+                          TransformerBase, build_model, eval_mode)
 
 __all__ = [
     "KVCache", "MultiHeadAttention", "causal_mask", "combine_masks", "padding_mask",
     "scaled_dot_product_attention", "LearnedPositionalEmbedding", "RotaryEmbedding",
     "SinusoidalPositionalEncoding", "TokenEmbedding", "alibi_slopes", "sinusoidal_table",
-    "Linear", "DecoderLayer", "EncoderLayer", "PositionwiseFeedForward", "RMSNorm", "SublayerConnection",
+    "DecoderLayer", "EncoderLayer", "PositionwiseFeedForward", "RMSNorm", "SublayerConnection",
     "DecoderCache", "DecoderOnly", "EncoderDecoder", "EncoderOnly", "MODEL_CLASSES",
-    "TransformerBase", "build_model",
+    "TransformerBase", "build_model", "eval_mode",
 ]

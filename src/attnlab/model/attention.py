@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .embedding import apply_rotary
-from .linear import Linear
 
 # -- masks ----------------------------------------------------------------------------------------
 
@@ -79,8 +78,7 @@ def scaled_dot_product_attention(
                         and (q.shape[0] > 1 or q.dtype != torch.float32)):
         # The explicit path; also the faster one on CPU for one query per row (incremental
         # decoding) of a batch or in bf16, where the fused kernel's setup costs more than the three
-        # small matmuls (measured: 64 rows 69 vs 97 µs, 256 rows 187 vs 387 µs; a single fp32 row
-        # is the exception, 15 µs fused vs 32 µs explicit).
+        # small matmuls; a single fp32 row is the exception (measured: docs/results.md).
         weights, out = _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p)
         if not need_weights:
             weights = None
@@ -100,8 +98,8 @@ def _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p):
     kv, Tk = k.shape[1], k.shape[2]
     dtype = q.dtype
     if q.device.type == "cpu" and dtype != torch.float32:
-        # CPU half-precision batched matmuls of this size are slower than casting up (bf16 decode
-        # step of SmolLM2: 28 → 13 µs per product); fp32 softmax is also the more exact one.
+        # CPU half-precision batched matmuls of this size are slower than casting up (measured on
+        # SmolLM2's decode step); fp32 softmax is also the more exact one.
         q, k, v = q.float(), k.float(), v.float()
     qg = q.reshape(B, kv, (h // kv) * Tq, hd)  # (B, kv, g·Tq, hd)
     scores = ((qg @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
@@ -185,11 +183,11 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
         q_dim, kv_dim = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if cross:
-            self.q_proj = Linear(d_model, q_dim, bias=bias)
-            self.kv_proj = Linear(d_model, 2 * kv_dim, bias=bias)
+            self.q_proj = nn.Linear(d_model, q_dim, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=bias)
         else:
-            self.qkv_proj = Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
-        self.out_proj = Linear(q_dim, d_model, bias=bias)
+            self.qkv_proj = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
+        self.out_proj = nn.Linear(q_dim, d_model, bias=bias)
         # Set by attnlab.inspect.record_attention to keep the last attention weights (pictures).
         self.record_weights = False
         self.last_weights: torch.Tensor | None = None

@@ -11,7 +11,6 @@ from torch import nn
 
 from ..config import TransformerConfig
 from .attention import KVCache, MultiHeadAttention
-from .linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -58,8 +57,8 @@ class PositionwiseFeedForward(nn.Module):
         super().__init__()
         self.glu = activation in ("swiglu", "geglu")
         self.act = ACTIVATIONS[activation]
-        self.w_in = Linear(d_model, 2 * d_ff if self.glu else d_ff, bias=bias)
-        self.w_out = Linear(d_ff, d_model, bias=bias)
+        self.w_in = nn.Linear(d_model, 2 * d_ff if self.glu else d_ff, bias=bias)
+        self.w_out = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

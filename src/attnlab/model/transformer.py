@@ -22,7 +22,6 @@ from .attention import KVCache, causal_mask, padding_mask
 from .embedding import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
                         TokenEmbedding, alibi_bias, alibi_slopes)
 from .layers import DecoderLayer, EncoderLayer, make_norm
-from .linear import Linear
 
 
 class Embeddings(nn.Module):
@@ -126,9 +125,9 @@ class TransformerBase(nn.Module):
         bias = alibi_bias(self.alibi_slopes, q_pos, k_pos) if self.alibi_slopes is not None else None
         return rope, bias
 
-    def _make_output_projection(self, vocab_size: int, tied: TokenEmbedding | None) -> Linear:
+    def _make_output_projection(self, vocab_size: int, tied: TokenEmbedding | None) -> nn.Linear:
         cfg = self.config
-        head = Linear(cfg.d_model, vocab_size, bias=cfg.output_bias)
+        head = nn.Linear(cfg.d_model, vocab_size, bias=cfg.output_bias)
         if cfg.output_bias:
             nn.init.zeros_(head.bias)
         if tied is not None:
@@ -175,6 +174,17 @@ class TransformerBase(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Evaluation mode (no dropout) inside the block; the model's previous mode after it."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
 
 
 def _key_positions(attention_mask: torch.Tensor | None, length: int, device) -> torch.Tensor:
@@ -295,8 +305,8 @@ class EncoderOnly(TransformerBase):
         self.embed = Embeddings(cfg, token)
         self.encoder = Encoder(cfg)
         self.lm_head = self._make_output_projection(cfg.vocab_size, token if cfg.tie_output else None)
-        self.pooler = Linear(cfg.d_model, cfg.d_model) if cfg.pooler_activation else None
-        self.classifier = (nn.Sequential(nn.Dropout(cfg.dropout), Linear(cfg.d_model, cfg.n_classes))
+        self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler_activation else None
+        self.classifier = (nn.Sequential(nn.Dropout(cfg.dropout), nn.Linear(cfg.d_model, cfg.n_classes))
                            if cfg.n_classes else None)
         self.reset_parameters()
 

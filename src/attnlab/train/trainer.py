@@ -20,8 +20,8 @@ import torch
 
 from ..accel import pick_device, resolve_bf16
 from ..model import build_model
-from ..modeldir import atomic_write, save_model_dir, save_weights
-from .tasks import TASKS, label_smoothed_loss
+from ..modeldir import atomic_write, save_model_dir, save_task_info, save_weights
+from .tasks import TASKS, DataPosition, label_smoothed_loss
 
 
 @dataclass
@@ -193,8 +193,7 @@ class Trainer:
         self.config = self.task.model_config(args)
         torch.manual_seed(args.seed)
         self.model = build_model(self.config)
-        if hasattr(self.task, "init_weights"):
-            self.task.init_weights(self.model)
+        self.task.init_weights(self.model)
         self.model.to(self.device)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
@@ -206,37 +205,27 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel
             self.ddp_model = DistributedDataParallel(self.model, device_ids=[self.device.index]
                                                      if self.device.type == "cuda" else None)
-        self.forward = torch.compile(self.ddp_model) if args.compile else self.ddp_model
-        # Encoder-only heads run on the (possibly DDP-wrapped) module's hidden states.
-        inner = self.forward
-        if args.task == "classify":
-            self.forward = lambda x, mask: self._classify(inner, x, mask)
-        elif args.task == "mlm":  # the output projection only at the masked positions
-            self.forward = lambda x, mask, targets: self.model.mlm_logits(inner(x, mask)[targets])
-        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        inner = torch.compile(self.ddp_model) if args.compile else self.ddp_model
+        self.forward = self.task.training_forward(self.model, inner)
+        self.step = 0
+        self.position = DataPosition(rank=self.rank, world=self.world)
         self.elapsed_before = 0.0
         self.best, self.bad_evals = None, 0
         if args.resume and (self.out / "checkpoint_last.pt").exists():
             self._load_state()
         elif self.is_main:
-            art = self.task.save_artifacts(self.out)
+            art = self.task.artifacts()
             save_model_dir(self.out, self.model, art.get("tokenizer"), art.get("tgt_tokenizer"),
                            training_args=dataclasses.asdict(args))
-            from .tasks import save_task_info
             save_task_info(self.out, art["task"])
             if (self.out / "metrics.jsonl").exists():
                 (self.out / "metrics.jsonl").unlink()
-
-    def _classify(self, forward, x, mask):
-        """classification through the (possibly DDP-wrapped) module's forward, then the head."""
-        hidden = forward(x, mask)
-        return self.model.classifier(self.model.pool(hidden, mask))
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _state(self) -> dict:
         return {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+            "step": self.step, "epoch": self.position.epoch, "batch_in_epoch": self.position.batch_in_epoch,
             "elapsed": self.elapsed_before + (time.time() - self.t0),
             "best": self.best, "bad_evals": self.bad_evals,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
@@ -254,10 +243,16 @@ class Trainer:
             old.unlink()
 
     def _load_state(self) -> None:
-        state = torch.load(self.out / "checkpoint_last.pt", map_location="cpu", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        path = self.out / "checkpoint_last.pt"
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, KeyError, EOFError, ValueError, OSError) as e:  # truncated, foreign, or another model
+            raise ValueError(f"{path}: not a checkpoint of this run ({str(e).splitlines()[0][:200]}); the weights "
+                             f"of the last saved steps are in {self.out / 'checkpoints'}") from None
+        self.step = state["step"]
+        self.position.epoch, self.position.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
         self.elapsed_before = state["elapsed"]
         self.best, self.bad_evals = state["best"], state["bad_evals"]
         torch.set_rng_state(state["rng"]["torch"])
@@ -347,7 +342,8 @@ class Trainer:
                 g["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
             for micro in range(args.update_freq):
-                batch = tuple(t.to(self.device) for t in self.task.batch(self))
+                self.position.step, self.position.micro = self.step, micro
+                batch = tuple(t.to(self.device) for t in self.task.batch(self.position))
                 sync = micro == args.update_freq - 1
                 ctx = self.ddp_model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
                 with ctx:

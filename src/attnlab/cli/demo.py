@@ -1,0 +1,25 @@
+"""attnlab demo: the main job on the shipped corpus."""
+
+from __future__ import annotations
+
+from .common import add_device, positive_float, positive_int
+
+HELP = "the main job: train English→Chinese on the shipped corpus, evaluate, translate, draw"
+EXAMPLES = "attnlab demo                 # ~10 minutes on 2 CPU cores\n  attnlab demo --minutes 3"
+
+
+def arguments(p) -> None:
+    p.add_argument("--minutes", type=positive_float, default=10.0, help="training time budget (default 10)")
+    p.add_argument("--out", default="runs/demo", help="model directory (default runs/demo)")
+    p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--test-sentences", type=positive_int, default=None, metavar="N",
+                   help="score only the first N test sentences (a small budget, e.g. for tests)")
+    add_device(p)
+
+
+def run(args) -> int:
+    from ..demo import run_demo
+    from .train import check_writable
+    check_writable(args.out)
+    return run_demo(minutes=args.minutes, out=args.out, threads=args.threads, test_sentences=args.test_sentences,
+                    device=args.device)

@@ -1,0 +1,102 @@
+"""attnlab evaluate: the metric of the model's task on held-out data (BLEU/chrF, perplexity, accuracy,
+masked-token accuracy)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .common import add_device, add_generation, add_model, generation_config, load, nonneg_int, positive_int, \
+    read_lines
+
+HELP = ("translation: sacreBLEU (zh tokenizer for Chinese, 13a otherwise) and chrF; lm: loss and perplexity; "
+        "classify: accuracy, macro-F1, confusion matrix; mlm: masked-token loss and accuracy")
+EXAMPLES = """attnlab evaluate --model runs/enzh --src test.en --ref test.zh --json
+  attnlab evaluate --model runs/enzh --data test.tsv --beam 4
+  attnlab evaluate --task lm --model runs/shakespeare --data val.txt
+  attnlab evaluate --task classify --model runs/sst2 --data test.tsv --confusion-png cm.png
+  attnlab evaluate --task mlm --model runs/mlm --data held_out.txt"""
+
+
+def arguments(p) -> None:
+    from ..train.tasks import TASKS
+    p.add_argument("--task", choices=list(TASKS), help="default: what the model was trained for")
+    add_model(p)
+    p.add_argument("--data", help="a TSV of pairs (translation), a text file (lm, mlm), labelled rows (classify)")
+    p.add_argument("--src", help="translation: source sentences, one per line")
+    p.add_argument("--ref", help="translation: reference translations, one per line")
+    p.add_argument("--src-col", type=nonneg_int, default=0)
+    p.add_argument("--tgt-col", type=nonneg_int, default=1)
+    p.add_argument("--block-size", type=positive_int, default=None, help="lm: tokens per evaluation block")
+    p.add_argument("--label-col", type=nonneg_int, default=None)
+    p.add_argument("--text-col", type=nonneg_int, default=None)
+    p.add_argument("--confusion-png", default=None, help="classify: draw the confusion matrix here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    add_device(p)
+    add_generation(p)
+
+
+def run(args) -> int:
+    from ..modeldir import load_task_info
+    task = load_task_info(args.model)["task"]
+    if args.task and args.task != task:
+        raise ValueError(f"--task {args.task}: {args.model} was trained for --task {task} (see its task.json)")
+    if task in ("lm", "mlm", "classify") and not args.data:
+        raise ValueError(f"attnlab evaluate --task {task} needs --data FILE")
+    return {"translation": _translation, "lm": _lm, "mlm": _mlm, "classify": _classify}[task](args)
+
+
+def _print(args, scores: dict, keys: tuple, line: str) -> int:
+    print(json.dumps({k: scores[k] for k in keys}) if args.json else line)
+    return 0
+
+
+def _translation(args) -> int:
+    if args.data:
+        from ..data.readers import read_tsv_pairs
+        pairs = read_tsv_pairs(args.data, args.src_col, args.tgt_col)
+        src, ref = pairs.src, pairs.tgt
+    else:
+        if not (args.src and args.ref):
+            raise ValueError("give --src and --ref files (or --data TSV)")
+        src, ref = read_lines(args.src, "source sentences"), read_lines(args.ref, "reference translations")
+        if len(src) != len(ref):
+            raise ValueError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
+    s = load(args).score(src, ref, generation_config(args), batch_size=args.batch_size)
+    return _print(args, s, ("bleu", "chrf", "n", "tokenize"),
+                  f"sacreBLEU {s['bleu']:.2f} (tokenize={s['tokenize']})  chrF {s['chrf']:.2f}  n={s['n']}")
+
+
+def _lm(args) -> int:
+    from ..data.readers import read_text
+    s = load(args).score(read_text(args.data), block_size=args.block_size)
+    return _print(args, s, ("loss", "perplexity", "tokens", "block_size"),
+                  f"loss {s['loss']:.4f}  perplexity {s['perplexity']:.3f}  ({s['tokens']:,} tokens, "
+                  f"blocks of {s['block_size']})")
+
+
+def _mlm(args) -> int:
+    from ..data.readers import read_text
+    s = load(args).score(read_text(args.data))
+    return _print(args, s, ("mlm_loss", "mlm_accuracy", "masked_tokens"),
+                  f"masked-LM loss {s['mlm_loss']:.4f}  accuracy {s['mlm_accuracy']:.4f}  "
+                  f"({s['masked_tokens']:,} masked tokens)")
+
+
+def _classify(args) -> int:
+    from ..data.readers import read_labeled
+    from ..evaluate.classification import confusion_text, plot_confusion
+    from ..modeldir import load_task_info
+    labels = load_task_info(args.model)["labels"]
+    data = read_labeled(args.data, args.label_col, args.text_col, known_labels=labels)
+    s = load(args).score(data.texts, data.labels)
+    if args.confusion_png:
+        plot_confusion(s["confusion"], labels, args.confusion_png, f"{Path(args.data).name}: accuracy {s['accuracy']:.4f}")
+    if args.json:
+        return _print(args, s, ("accuracy", "macro_f1", "n", "confusion"), "")
+    print(f"accuracy {s['accuracy']:.4f}  macro-F1 {s['macro_f1']:.4f}  n={s['n']}")
+    print(confusion_text(s["confusion"], labels))
+    if args.confusion_png:
+        print(f"confusion matrix drawn in {args.confusion_png}")
+    return 0

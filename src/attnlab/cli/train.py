@@ -1,0 +1,191 @@
+"""attnlab train: one trainer for every task (--task translation | lm | classify | mlm).
+
+Options come from three places, later ones winning: a resumed run's training_args.json, a --config
+JSON file, and the flags. Each is checked (names, types, ranges) before any data is read."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from .common import UsageError
+
+HELP = "train a model: translation (default), --task lm, --task classify, --task mlm"
+EXAMPLES = """attnlab train --train data/train.tsv.gz --dev data/dev.tsv --out runs/enzh --minutes 30 --bf16
+  attnlab train --task lm --preset shakespeare-char --tokenizer char --train input.txt --out runs/sh
+  attnlab train --task classify --init minilm --train sst2/train.tsv.gz --out runs/sst2
+  attnlab train --task mlm --train sentences.txt --out runs/mlm --max-len 64 --max-steps 4000 --bf16
+  attnlab train --task classify --init runs/mlm --train sst2/train.tsv.gz --out runs/sst2-mlm
+  attnlab train --train train.de.gz,train.en.gz --dev val.de.gz,val.en.gz --preset mt-small \\
+      --set d_model=384 --max-tokens 4000 --max-steps 20000
+  attnlab train --resume runs/enzh --minutes 60     # continue exactly where it stopped
+  torchrun --nproc_per_node 2 -m attnlab train --train ... --out runs/ddp"""
+
+HELPS = {"train": "TSV file (src<TAB>tgt[<TAB>...], .gz ok) or SRC_FILE,TGT_FILE",
+         "dev": "dev set, same formats", "out": "model directory", "minutes": "time budget",
+         "max_tokens": "tokens per batch (per process)", "update_freq": "gradient accumulation steps",
+         "lr": "peak learning rate (default: the paper's d^-0.5 warmup^-0.5)",
+         "schedule": "inverse_sqrt (the paper's) | cosine | constant",
+         "bf16": "bf16 autocast where the device has native bf16 (fp32 elsewhere, with one line saying so)",
+         "compile": "torch.compile the model",
+         "preset": "model preset or config.json (default: the task's own, e.g. mt-small for translation)",
+         "zh_simplified": "convert Traditional Chinese targets to Simplified (needs attnlab[zh])",
+         "reverse": "swap the TSV columns' direction", "joint_vocab": "one BPE vocabulary for both sides",
+         "patience": "early stopping after N evaluations without improvement"}
+
+
+def arguments(p) -> None:
+    from ..train import TrainArgs
+    from ..train.tasks import TASKS
+    from ..train.trainer import CHOICES, RANGES
+    from .common import ranged
+    p.add_argument("--config", help="JSON file of training options (flags override it)")
+    p.add_argument("--resume", dest="resume_dir", metavar="DIR", help="continue the run saved in DIR exactly")
+    p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
+                   help="Adam betas (default 0.9 0.98, the paper's)")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="override a model config field, e.g. --set d_model=384 --set norm_placement=post")
+    p.add_argument("--task", choices=list(TASKS), default=None,
+                   help="; ".join(f"{name}: {task.summary}" for name, task in TASKS.items()))
+    for f in dataclasses.fields(TrainArgs):
+        if f.name in ("config_overrides", "betas", "resume", "task"):
+            continue
+        flag, kind = "--" + f.name.replace("_", "-"), str(f.type).split(" |")[0]
+        if f.name in CHOICES:
+            p.add_argument(flag, choices=CHOICES[f.name], default=None, help=HELPS.get(f.name))
+        elif kind == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELPS.get(f.name))
+        else:
+            typ = {"int": int, "float": float}.get(kind, str)
+            p.add_argument(flag, type=ranged(typ, *RANGES[f.name]) if f.name in RANGES else typ, default=None,
+                           help=(HELPS.get(f.name, "") + f" (default: {f.default})").strip())
+
+
+def run(args) -> int:
+    from ..train import TrainArgs, Trainer
+    values, saved = options(args)
+    train_args = TrainArgs(**values)
+    if not train_args.train:
+        raise UsageError("--train is required (a TSV file, or SRC_FILE,TGT_FILE)")
+    check_model_options(train_args, saved, args)
+    check_writable(train_args.out)
+    trainer = Trainer(train_args)
+    trainer.setup()
+    result = trainer.train()
+    print(json.dumps(result))
+    if result["stop"] == "interrupted":
+        print(f"interrupted at step {result['steps']}: checkpoint saved in {train_args.out}; "
+              f"continue with: attnlab train --resume {train_args.out}", file=sys.stderr)
+        return 130
+    print(f"model saved in {train_args.out}")
+    return 0
+
+
+def options(args) -> tuple[dict, dict | None]:
+    """The run's options (saved run < --config < flags), and the saved run's options when resuming."""
+    from ..train import TrainArgs
+    from ..train.trainer import check_train_options
+    values = check_train_options(read_json(args.config, "a JSON object of training options"), args.config) \
+        if args.config else {}
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArgs)
+             if f.name != "config_overrides" and getattr(args, f.name, None) is not None}
+    saved = None
+    if args.resume_dir:
+        saved_path = Path(args.resume_dir) / "training_args.json"
+        if not saved_path.exists():
+            raise FileNotFoundError(f"--resume {args.resume_dir}: no training_args.json there "
+                                    "(not a directory written by attnlab train)")
+        saved = check_train_options(read_json(saved_path, "the run's training options"), str(saved_path))
+        asked = flags.get("task", values.get("task"))
+        if asked and asked != saved.get("task", "translation"):
+            raise ValueError(f"--resume {args.resume_dir}: that run is --task {saved.get('task', 'translation')}, "
+                             f"not --task {asked}")
+        values = {**saved, **values, "resume": True, "out": args.resume_dir}
+    values.update(flags)
+    values["config_overrides"] = model_overrides(values.get("config_overrides", {}), args.set or [])
+    if values.get("betas") is not None:
+        values["betas"] = tuple(values["betas"])
+    else:
+        values.pop("betas", None)
+    return values, saved
+
+
+def model_overrides(overrides: dict, items: list[str]) -> dict:
+    """config_overrides updated by ``--set FIELD=VALUE`` (VALUE as JSON, else a string); unknown fields
+    are an error naming where they came from."""
+    from ..config import ConfigError, TransformerConfig
+    overrides = dict(overrides)
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set d_model=384")
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        where = "--set" if set(unknown) & {i.partition("=")[0] for i in items} else "config_overrides"
+        raise ConfigError(f"{where}: unknown model config field(s) {', '.join(unknown)} (known: "
+                          f"{', '.join(sorted(known))})")
+    return overrides
+
+
+def check_model_options(train_args, saved: dict | None, args) -> None:
+    """Before any data is read: the preset exists, and a resumed run keeps the model it was trained as."""
+    from ..config import ConfigError, load_config
+    from ..train.tasks import TASKS
+    if train_args.preset:
+        try:
+            load_config(train_args.preset)
+        except ConfigError as e:
+            raise ConfigError(f"--preset {train_args.preset}: {e}") from None
+    if saved is None:
+        return
+    import zipfile
+    ckpt = Path(args.resume_dir) / "checkpoint_last.pt"
+    if not ckpt.exists():
+        raise FileNotFoundError(f"--resume {args.resume_dir}: no checkpoint_last.pt there, nothing to resume "
+                                "(start a new run with --out)")
+    if not zipfile.is_zipfile(ckpt):  # torch.save writes a zip: a cut one has no central directory
+        raise ValueError(f"{ckpt}: not a readable checkpoint (truncated or corrupt); the weights of the "
+                         f"last saved steps are in {Path(args.resume_dir) / 'checkpoints'}")
+    default = TASKS[train_args.task].default_preset
+    was = load_config(saved.get("preset") or default, **saved.get("config_overrides", {}))
+    now = load_config(train_args.preset or default, **train_args.config_overrides)
+    from_data = {"name", "vocab_size", "tgt_vocab_size", "share_embeddings", "pad_id", "bos_id", "eos_id", "unk_id"}
+    changed = [f"{f.name}={getattr(was, f.name)!r}, not {getattr(now, f.name)!r}" for f in dataclasses.fields(was)
+               if f.name not in from_data and getattr(was, f.name) != getattr(now, f.name)]
+    if changed:
+        raise ValueError(f"--resume {args.resume_dir}: the saved run's model has {'; '.join(changed)}; a resumed "
+                         "run keeps its model (start a new run with --out to change it)")
+
+
+def read_json(path, what: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such file" if not p.exists() else f"{p}: not a file")
+    try:
+        value = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{p}: not UTF-8 text (expected {what})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}:{e.lineno}: not valid JSON ({e.msg}); expected {what}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{p}: expected {what}, found a JSON {type(value).__name__}")
+    return value
+
+
+def check_writable(directory) -> None:
+    """Fail before any work when the output directory cannot be written (not after an hour of training)."""
+    d = Path(directory)
+    existing = next((p for p in [d, *d.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"--out {d}: {existing} is a file, not a directory")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"--out {d}: {existing} is not writable; choose another --out")

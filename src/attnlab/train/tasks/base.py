@@ -1,0 +1,138 @@
+"""The task contract: what a task gives the one trainer, and what the trainer gives it back.
+
+A task is what differs between training a translator, a language model and a classifier: the data,
+the tokenizer, the batches, the loss, the validation metric and what the model directory records.
+Everything else (optimizer, schedule, accumulation, bf16, checkpoints, exact resume, DDP) is the
+trainer's. The two talk only through this contract — a task never sees the trainer:
+
+* ``prepare(args, out, log)`` reads the data and builds (or reloads, on resume) the tokenizer;
+* ``model_config(args)`` is the model to build; ``init_weights(model)`` may load pretrained weights;
+* ``batch(position)`` is the next micro-batch for a :class:`DataPosition`, which it advances; the
+  trainer saves the position in every checkpoint, so a resumed run continues with the next batch;
+* ``training_forward(model, forward)`` adapts the (possibly DDP-wrapped) forward to the task's loss
+  (e.g. a classification head on the pooled output); ``loss(forward, batch, smoothing)``;
+* ``evaluate(model, device, bf16)`` scores the dev split (``"score"``: higher is better) and
+  ``describe`` says it in one line; ``artifacts()`` are the tokenizers and the task record (task.json).
+
+Adding a task: subclass :class:`Task`, register it in ``TASKS`` (``train/tasks/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ...config import TransformerConfig, load_config
+from ...data.batching import TokenBatchSampler
+from ...data.readers import DataError
+
+
+@dataclass
+class DataPosition:
+    """Where training is in the data. ``epoch``/``batch_in_epoch`` are saved in checkpoints; ``step``,
+    ``micro`` (the micro-batch within a step, for accumulation), ``rank`` and ``world`` are set by the
+    trainer before each ``batch`` call so random batches are drawn from them, never from hidden state."""
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    step: int = 0
+    micro: int = 0
+    rank: int = 0
+    world: int = 1
+
+    def generator(self, *salt: int) -> torch.Generator:
+        """A generator seeded from (salt, step, micro, rank): the same batch in any process and on resume."""
+        key = repr((*salt, self.step, self.micro, self.rank)).encode()
+        return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2 ** 62)
+
+
+class Task(ABC):
+    name: str = ""
+    summary: str = ""              # one line for --help
+    family: str = ""               # the model family the task trains
+    default_preset: str = ""
+    default_label_smoothing: float = 0.0
+
+    @abstractmethod
+    def prepare(self, args, out: Path, log) -> None: ...
+
+    @abstractmethod
+    def model_config(self, args) -> TransformerConfig: ...
+
+    def init_weights(self, model) -> None:
+        """Start from pretrained weights (default: the fresh initialisation stays)."""
+
+    @abstractmethod
+    def batch(self, position: DataPosition) -> tuple[torch.Tensor, ...]: ...
+
+    def training_forward(self, model, forward):
+        """What ``loss`` calls: the model's forward (possibly DDP-wrapped) adapted to the task."""
+        return forward
+
+    @abstractmethod
+    def loss(self, forward, batch, smoothing: float) -> tuple[torch.Tensor, int, int]:
+        """(mean loss, number of predictions it averages, number of input tokens)."""
+
+    @abstractmethod
+    def evaluate(self, model, device, bf16: bool) -> dict: ...
+
+    @abstractmethod
+    def describe(self, scores: dict) -> str: ...
+
+    @abstractmethod
+    def artifacts(self) -> dict:
+        """{"tokenizer": …, "tgt_tokenizer": … or None, "task": the task.json record}."""
+
+    @property
+    def has_dev(self) -> bool:
+        return True
+
+    @property
+    @abstractmethod
+    def n_train(self) -> int: ...
+
+
+class ListBatches:
+    """Token-budget batches over a list of examples, epoch by epoch, from a data position. With N
+    processes, process r takes batches r, r+N, … (one optimizer step sees N·update_freq batches, as
+    one process with update_freq·N would)."""
+
+    def __init__(self, sampler: TokenBatchSampler):
+        self.sampler = sampler
+        self._epoch, self._batches = None, []
+
+    def next(self, pos: DataPosition) -> list[int]:
+        while True:
+            if self._epoch != pos.epoch:
+                self._epoch, self._batches = pos.epoch, self.sampler.batches(pos.epoch)
+            usable = len(self._batches) - len(self._batches) % pos.world
+            if pos.batch_in_epoch + pos.world <= usable:
+                i = pos.batch_in_epoch
+                pos.batch_in_epoch += pos.world  # advanced before use: a checkpoint saved after this step
+                return self._batches[i + pos.rank]  # resumes at the *next* batch
+            pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+
+
+def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, pad_id: int | None, smoothing: float):
+    """Cross-entropy with label smoothing ε (the paper: 0.1), padding ignored. Returns the mean over
+    real tokens and their count."""
+    ignore = pad_id if pad_id is not None else -100
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                           ignore_index=ignore, label_smoothing=smoothing)
+    return loss, int((labels != ignore).sum())
+
+
+def config_with_own_vocab(task: Task, args, min_positions: int = 0, **extra) -> TransformerConfig:
+    """The preset with the task's own tokenizer (attnlab's special ids 0–3): checks the family and
+    lets learned positions cover the longest training sequence."""
+    over = dict(args.config_overrides, vocab_size=task.tok.vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3, **extra)
+    cfg = load_config(args.preset or task.default_preset, **over)
+    if cfg.family != task.family:
+        raise DataError(f"--task {task.name} needs a {task.family} preset, {args.preset!r} is {cfg.family}")
+    if cfg.positions == "learned" and cfg.max_len < min_positions:
+        cfg = cfg.replace(max_len=min_positions)
+    return cfg
