@@ -68,3 +68,17 @@ def test_doctor_reports_paths(capsys):
 def test_dry_run_checks_flags_without_running(capsys):
     assert main(["--dry-run", "train", "--train", "missing.tsv", "--minutes", "3"]) == 0
     assert "nothing was run" in capsys.readouterr().out
+
+
+def test_a_flag_of_another_task_is_a_usage_error(capsys):
+    assert main(["train", "--train", "x.txt", "--task", "classify", "--block-size", "64"]) == 2
+    assert "--block-size is an option of --task lm only (this run is --task classify)" in capsys.readouterr().err
+
+
+def test_task_choices_and_groups_come_from_the_registry(capsys):
+    from attnlab.train.tasks import TASKS
+    import pytest
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in TASKS) and "--task lm only:" in out and "--task classify only:" in out

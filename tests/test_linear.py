@@ -20,7 +20,8 @@ def test_packed_equals_f_linear(shape, bias):
     x = torch.randn(*shape)
     with torch.no_grad():
         out = lin(x)
-        assert linear_mod._packed.get(lin) is not None  # the packed path was taken
+        # the packed path was taken where this CPU (and the switches) allow it, F.linear otherwise
+        assert (linear_mod._packed.get(lin) is not None) == linear_mod.packed_linear_ok(torch.float32)
         torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
         lin_bf16, xb = lin.to(torch.bfloat16), x.bfloat16()  # packed where this CPU can, F.linear otherwise
         torch.testing.assert_close(lin_bf16(xb).float(), F.linear(xb, lin_bf16.weight, lin_bf16.bias).float(),
@@ -62,7 +63,8 @@ def test_model_logits_with_and_without_packing(monkeypatch):
     ids = torch.randint(0, 300, (2, 9))
     with torch.no_grad():
         packed = model(ids)
-        assert any(linear_mod._packed.get(m) is not None for m in model.modules())
+        assert any(linear_mod._packed.get(m) is not None for m in model.modules()) == \
+            linear_mod.packed_linear_ok(torch.float32)
         monkeypatch.setattr(linear_mod, "PACKED", False)
         plain = model(ids)
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
@@ -107,6 +109,7 @@ def test_probe_failure_means_plain_path(monkeypatch):
     def refuse(*a, **k):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw")
     monkeypatch.setattr(accel, "_packed_probe", {})
+    monkeypatch.setattr(accel, "_packed_ok", {})
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
     assert accel._probe_packed(torch.bfloat16) is False
     assert accel.packed_linear_ok(torch.bfloat16) is False

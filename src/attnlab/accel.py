@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import warnings
 import weakref
 from functools import lru_cache
 
@@ -189,7 +190,19 @@ def _probe_packed(dtype: torch.dtype) -> bool:
 
 
 def packed_linear_ok(dtype: torch.dtype) -> bool:
-    """Whether attnlab's Linear may use oneDNN pre-packed weights for inputs of ``dtype`` on CPU."""
+    """Whether attnlab's Linear may use oneDNN pre-packed weights for inputs of ``dtype`` on CPU.
+    Called for every linear layer of every decode step: one dict look-up once the answer is known."""
+    key = (dtype, os.environ.get("ATTNLAB_PACKED_LINEAR"), os.environ.get("ATTNLAB_NO_BF16"))
+    ok = _packed_ok.get(key)
+    if ok is None:
+        ok = _packed_ok[key] = _decide_packed(dtype)
+    return ok
+
+
+_packed_ok: dict = {}
+
+
+def _decide_packed(dtype: torch.dtype) -> bool:
     if dtype not in (torch.float32, torch.bfloat16) or _env_off("ATTNLAB_PACKED_LINEAR"):
         return False
     if dtype == torch.bfloat16 and _env_on("ATTNLAB_NO_BF16"):
@@ -285,62 +298,69 @@ def can_compile(device: torch.device | str = "cpu") -> bool:
     return device.type in ("cpu", "cuda")
 
 
-# -- the report -----------------------------------------------------------------------------------------
+# -- the compiled decode step ------------------------------------------------------------------------
+
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def report() -> dict:
-    """Everything ``attnlab doctor`` prints, as a dict."""
-    flags = cpu_flags()
-    interesting = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
-                   "avx_ne_convert", "amx_bf16", "amx_tile", "asimd", "bf16", "sve", "i8mm"]
-    cuda = torch.cuda.is_available()
-    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": f"{platform.system()} {platform.machine()}",
-        "cpu": cpu_name(),
-        "cpu_isa": cpu_isa(),
-        "cpu_flags": [f for f in interesting if f in flags],
-        "threads": torch.get_num_threads(),
-        "cores": os.cpu_count(),
-        "cuda": torch.cuda.get_device_name(0) if cuda else None,
-        "mps": mps,
-        "bf16_native_cpu": cpu_bf16_native(),
-        "bf16_native_cuda": bf16_native("cuda") if cuda else None,
-        "onednn": onednn_linear_ops(),
-        "packed_linear_fp32": packed_linear_ok(torch.float32),
-        "packed_linear_bf16": packed_linear_ok(torch.bfloat16),
-        "cxx_compiler": cxx_compiler(),
-        "compile_cpu": can_compile("cpu"),
-        "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE")
-                     if k in os.environ},
-    }
+def compiled_step(model: torch.nn.Module, fn):
+    """``torch.compile`` of a one-token decoding step (``fn``: the model's forward or ``decode``).
+
+    Why: a decode step of a small model is hundreds of tiny ops whose Python and dispatch cost
+    rivals the matrix products. Inductor fuses them, and with ``freezing`` it treats the weights as
+    constants and pre-packs them. Shapes are dynamic (the KV cache grows, finished rows leave the
+    batch), so one compilation serves a whole generation and later ones. Compiling costs about a
+    minute for a 30-layer model on 2 CPU cores: worth it for long or repeated generation. On CPU in
+    fp32 inductor's frozen linears are MKL's, slower for one row than the eager oneDNN-packed ones
+    (``accel.PackedLinear``), so there the eager step is kept (measured: docs/results.md). Where
+    ``accel.can_compile`` says no (no C++ compiler, no triton) or the build fails, the eager step
+    runs, with the same results. Frozen weights are a snapshot: when a parameter changes, the step is
+    compiled again.
+    """
+    p0 = next(model.parameters())
+    if p0.device.type == "cpu" and p0.dtype == torch.float32:
+        if not getattr(compiled_step, "warned", False):
+            compiled_step.warned = True
+            warnings.warn("compile skipped: on CPU in fp32 attnlab's eager pre-packed linears decode faster "
+                          "than the compiled step (use bf16 to benefit from compile)")
+        return fn
+    if not can_compile(p0.device):  # no C++ compiler (CPU) or no triton (CUDA): eager, same results
+        return fn
+    key = tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
+    entry = _COMPILED.get(model)
+    if entry is None or entry[0] != key:
+        if entry is not None:
+            torch._dynamo.reset()  # dynamo's cache would otherwise keep serving the old constants
+        compiled = torch.compile(fn, dynamic=True)
+        failed = []
+
+        def step(*args, **kwargs):
+            import torch._inductor.config as inductor_config
+            if failed:
+                return fn(*args, **kwargs)
+            try:
+                with inductor_config.patch(freezing=True):  # read when (re)compiling, i.e. inside the call
+                    return compiled(*args, **kwargs)
+            except Exception as e:  # a compiler that is present but cannot build: the eager step
+                if not _is_compile_failure(e):
+                    raise
+                failed.append(e)
+                log.debug("compiled decode step failed to build (%s): eager decoding", str(e).splitlines()[0])
+                return fn(*args, **kwargs)
+        entry = (key, step)
+        _COMPILED[model] = entry
+    return entry[1]
 
 
-def doctor_text(r: dict | None = None) -> str:
-    r = r or report()
-    yes = {True: "yes", False: "no", None: "-"}
-    bf16_cpu = "native (fast)" if r["bf16_native_cpu"] else "emulated (slow): --bf16 runs fp32"
-    lines = [
-        f"attnlab on {r['platform']}, Python {r['python']}, PyTorch {r['torch']}",
-        f"CPU          {r['cpu']} ({r['cpu_isa']}), {r['cores']} cores, {r['threads']} torch threads",
-        f"CPU flags    {' '.join(r['cpu_flags']) or '(none of interest found)'}",
-        f"GPU          {r['cuda'] or ('Apple MPS' if r['mps'] else 'none')}",
-        f"bf16 on CPU  {bf16_cpu}",
-        "",
-        "paths attnlab takes here:",
-        f"  CPU inference linears, fp32   {'oneDNN pre-packed weights' if r['packed_linear_fp32'] else 'F.linear (plain)'}",
-        f"  CPU inference linears, bf16   {'oneDNN pre-packed weights' if r['packed_linear_bf16'] else 'F.linear (plain)'}",
-        f"  train --bf16 on CPU           {'bf16 autocast' if r['bf16_native_cpu'] else 'fp32 (bf16 not native)'}",
-        f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}"
-        + ("; skipped in fp32, where eager packed linears are faster" if r["compile_cpu"] else ""),
-        f"  oneDNN ops in this build      {yes[r['onednn']]}",
-    ]
-    if r["switches"]:
-        lines.append("switches     " + " ".join(f"{k}={v}" for k, v in r["switches"].items()))
-    return "\n".join(lines)
+def _is_compile_failure(e: Exception) -> bool:
+    """Errors of the compiler toolchain (inductor's C++ build, a missing backend), not of the model."""
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
+    except ImportError:  # pragma: no cover - older torch
+        BackendCompilerFailed = ()
+    return isinstance(e, BackendCompilerFailed) or type(e).__module__.startswith(("torch._inductor", "torch._dynamo"))
 
 
-__all__ = ["PackedLinear", "accelerate_for_inference", "pick_device", "cpu_flags", "cpu_name", "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16",
-           "packed_linear_ok", "onednn_linear_ops", "cxx_compiler", "can_compile", "report", "doctor_text"]
+__all__ = ["PackedLinear", "accelerate_for_inference", "compiled_step", "pick_device", "cpu_flags", "cpu_name",
+           "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16", "packed_linear_ok", "onednn_linear_ops",
+           "cxx_compiler", "can_compile"]

@@ -40,30 +40,31 @@ def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None 
     """``test_sentences`` scores only the first N test sentences (a small budget for tests)."""
     import torch
 
-    from .data.readers import read_tsv_pairs
-    from .evaluate import corpus_scores
-    from .generate import GenerationConfig
-    from .generate.translate import translate
-    from .inspect.attention import attention_maps, plot_attention, plot_curves
     from .accel import bf16_native, cpu_isa, cpu_name, pick_device
-    from .modeldir import load
-    from .train import TrainArgs, Trainer
-
-    corpus = corpus_dir()
     if threads:
         torch.set_num_threads(threads)
-    out_dir = Path(out)
+    out_dir, dev = Path(out), pick_device(device)
+    bf16 = bf16_native(dev)  # the demo adapts to the machine: bf16 only where it is native
+    where = f"{dev.type.upper()} {cpu_name()} ({cpu_isa()})" if dev.type == "cpu" else str(dev)
+    log(f"== attnlab demo: English → Chinese on Tatoeba (CC-BY 2.0 FR, {corpus_dir()})")
+    log(f"   training {DEMO_RECIPE['preset']} for {minutes:g} minutes on {where}, "
+        f"{'bf16 autocast (native)' if bf16 else 'fp32 (no native bf16 here)'}; model directory: {out_dir}")
+    result = _train(out_dir, minutes, dev, bf16, log)
+    if result["stop"] == "interrupted":
+        log(f"== interrupted: checkpoint in {out_dir}; continue with attnlab train --resume {out_dir}")
+        return 130
+    _evaluate(out_dir, dev, bf16, test_sentences, log, steps=result["steps"], minutes=minutes, device=where)
+    return 0
+
+
+def _train(out_dir: Path, minutes: float, dev, bf16: bool, log) -> dict:
+    from .train import TrainArgs, Trainer
+    corpus = corpus_dir()
     if (out_dir / "metrics.jsonl").exists():
         (out_dir / "metrics.jsonl").unlink()  # a fresh demo run
-    dev = pick_device(device)
-    bf16 = bf16_native(dev)  # the demo adapts to the machine: bf16 only where it is native
     args = TrainArgs(out=str(out_dir), train=str(corpus / "train.tsv.gz"), dev=str(corpus / "dev.tsv"),
                      minutes=minutes, eval_every=EVAL_EVERY, save_every=500, bf16=bf16, device=str(dev),
                      **DEMO_RECIPE)
-    log(f"== attnlab demo: English → Chinese on Tatoeba (CC-BY 2.0 FR, {corpus})")
-    where = f"{dev.type.upper()} {cpu_name()} ({cpu_isa()})" if dev.type == "cpu" else str(dev)
-    log(f"   training {args.preset} for {minutes:g} minutes on {where}, "
-        f"{'bf16 autocast (native)' if bf16 else 'fp32 (no native bf16 here)'}; model directory: {out_dir}")
     trainer = Trainer(args, log=log)
     trainer.setup()
     task = trainer.task
@@ -71,34 +72,34 @@ def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None 
         f"vocabularies {task.src_tok.vocab_size} (en) / {task.tgt_tok.vocab_size} (zh)")
     result = trainer.train()
     log(f"   trained {result['steps']} steps in {result['elapsed']:.0f} s ({result['stop']})")
-    if result["stop"] == "interrupted":
-        log(f"== interrupted: checkpoint in {out_dir}; continue with attnlab train --resume {out_dir}")
-        return 130
+    return result
 
-    model, src_tok, tgt_tok = load(out_dir, dev)
-    test = read_tsv_pairs(corpus / "test.tsv")
+
+def _evaluate(out_dir: Path, dev, bf16: bool, test_sentences: int | None, log, **record) -> None:
+    """Test scores, example translations and the two pictures, through the public API."""
+    import torch
+
+    from .api import load
+    from .data.readers import read_tsv_pairs
+    from .generate import GenerationConfig
+    from .inspect.attention import plot_attention, plot_curves
+    model = load(out_dir, dev)
+    test = read_tsv_pairs(corpus_dir() / "test.tsv")
     src, ref = (test.src[:test_sentences], test.tgt[:test_sentences]) if test_sentences else (test.src, test.tgt)
-    t0 = time.time()
     beam = GenerationConfig(num_beams=4, length_penalty=0.6)
+    t0 = time.time()
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-        hyps = translate(model, src_tok, tgt_tok, src, beam)
-    scores = corpus_scores(hyps, ref)
+        scores = model.score(src, ref, beam)
+        outs = model.translate(EXAMPLES, beam)
     log(f"\n== test split ({scores['n']} sentences, beam 4, {time.time() - t0:.0f} s): "
         f"sacreBLEU {scores['bleu']:.2f} (tokenize=zh)  chrF {scores['chrf']:.2f}")
-    scores.update(steps=result["steps"], minutes=minutes, device=where, bf16=bf16)
+    scores.update(record, bf16=bf16)
     (out_dir / "test_scores.json").write_text(json.dumps(scores, indent=2) + "\n", encoding="utf-8")
-
     log("\n== translations")
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-        outs = translate(model, src_tok, tgt_tok, EXAMPLES, beam)
     for s, t in zip(EXAMPLES, outs):
         log(f"   {s}  →  {t}")
-
-    attn_png = out_dir / "attention.png"
-    ids = tgt_tok.encode(outs[0]) + [tgt_tok.eos_id]
-    plot_attention(attention_maps(model, src_tok, tgt_tok, EXAMPLES[0], ids), str(attn_png), f"{EXAMPLES[0]} → {outs[0]}")
-    curves_png = out_dir / "curves.png"
+    attn_png, curves_png = out_dir / "attention.png", out_dir / "curves.png"
+    plot_attention(model.attention(EXAMPLES[0], outs[0]), str(attn_png), f"{EXAMPLES[0]} → {outs[0]}")
     plot_curves(str(out_dir / "metrics.jsonl"), str(curves_png))
     log(f"\n== pictures: {attn_png} (attention maps), {curves_png} (loss and BLEU curves)")
     log(f"== model: {out_dir.resolve()}  (attnlab translate --model {out_dir} --text \"...\")")
-    return 0

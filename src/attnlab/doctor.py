@@ -4,11 +4,71 @@ attnlab will take (CPU flags, bf16 native or emulated, packed linears, compiler,
 from __future__ import annotations
 
 import json
+import os
+import platform
 import sys
+
+import torch
+
+from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
+                    onednn_linear_ops, packed_linear_ok)
+
+
+def report() -> dict:
+    """Everything ``attnlab doctor`` prints, as a dict."""
+    flags = cpu_flags()
+    interesting = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
+                   "avx_ne_convert", "amx_bf16", "amx_tile", "asimd", "bf16", "sve", "i8mm"]
+    cuda = torch.cuda.is_available()
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": f"{platform.system()} {platform.machine()}",
+        "cpu": cpu_name(),
+        "cpu_isa": cpu_isa(),
+        "cpu_flags": [f for f in interesting if f in flags],
+        "threads": torch.get_num_threads(),
+        "cores": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if cuda else None,
+        "mps": mps,
+        "bf16_native_cpu": cpu_bf16_native(),
+        "bf16_native_cuda": bf16_native("cuda") if cuda else None,
+        "onednn": onednn_linear_ops(),
+        "packed_linear_fp32": packed_linear_ok(torch.float32),
+        "packed_linear_bf16": packed_linear_ok(torch.bfloat16),
+        "cxx_compiler": cxx_compiler(),
+        "compile_cpu": can_compile("cpu"),
+        "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE")
+                     if k in os.environ},
+    }
+
+
+def doctor_text(r: dict | None = None) -> str:
+    r = r or report()
+    yes = {True: "yes", False: "no", None: "-"}
+    bf16_cpu = "native (fast)" if r["bf16_native_cpu"] else "emulated (slow): --bf16 runs fp32"
+    lines = [
+        f"attnlab on {r['platform']}, Python {r['python']}, PyTorch {r['torch']}",
+        f"CPU          {r['cpu']} ({r['cpu_isa']}), {r['cores']} cores, {r['threads']} torch threads",
+        f"CPU flags    {' '.join(r['cpu_flags']) or '(none of interest found)'}",
+        f"GPU          {r['cuda'] or ('Apple MPS' if r['mps'] else 'none')}",
+        f"bf16 on CPU  {bf16_cpu}",
+        "",
+        "paths attnlab takes here:",
+        f"  CPU inference linears, fp32   {'oneDNN pre-packed weights' if r['packed_linear_fp32'] else 'F.linear (plain)'}",
+        f"  CPU inference linears, bf16   {'oneDNN pre-packed weights' if r['packed_linear_bf16'] else 'F.linear (plain)'}",
+        f"  train --bf16 on CPU           {'bf16 autocast' if r['bf16_native_cpu'] else 'fp32 (bf16 not native)'}",
+        f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}"
+        + ("; skipped in fp32, where eager packed linears are faster" if r["compile_cpu"] else ""),
+        f"  oneDNN ops in this build      {yes[r['onednn']]}",
+    ]
+    if r["switches"]:
+        lines.append("switches     " + " ".join(f"{k}={v}" for k, v in r["switches"].items()))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .accel import doctor_text, report
     argv = sys.argv[1:] if argv is None else argv
     print(json.dumps(report(), indent=2) if "--json" in argv else doctor_text())
     return 0

@@ -142,13 +142,9 @@ def load_task_info(directory: str | Path) -> dict:
     p = d / "task.json"
     if not p.exists():
         return {"task": "translation"}
-    try:
-        info = json.loads(p.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise ValueError(f"{p}: not UTF-8 text (a damaged model directory?)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}:{e.lineno}: not valid JSON ({e.msg}); a damaged model directory?") from None
-    if not isinstance(info, dict) or not isinstance(info.get("task"), str):
+    from .data.readers import read_json
+    info = read_json(p, "the task record of a model directory (damaged?)")
+    if not isinstance(info.get("task"), str):
         raise ValueError(f"{p}: expected a JSON object with a \"task\" name")
     if info["task"] == "classify" and not (isinstance(info.get("labels"), list) and info["labels"]):
         raise ValueError(f"{p}: a classifier's task.json needs its \"labels\" list")

@@ -82,12 +82,8 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32) -> Pr
 
 
 def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text (expected JSON)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    from .data.readers import read_json
+    return read_json(path, expect=None)
 
 
 def _load_gguf(path: Path, dtype) -> Pretrained:
@@ -137,20 +133,16 @@ def embed(pretrained: Pretrained, sentences: list[str], batch_size: int = 32):
     Sentences are batched by length so little work goes into padding."""
     import numpy as np
 
-    from .data.batching import pad_batch
+    from .data.batching import by_length, padded
     from .accel import accelerate_for_inference
     model, tok = accelerate_for_inference(pretrained.model), pretrained.tokenizer
     if model.config.family != "encoder-only":
         raise ValueError("embeddings need an encoder-only model (e.g. --model minilm)")
     encoded = tok.encode_batch(sentences)
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     out = np.zeros((len(sentences), model.config.d_model), dtype=np.float32)
-    for s in range(0, len(order), batch_size):
-        idx = order[s: s + batch_size]
-        ids = pad_batch([encoded[i] for i in idx], model.config.pad_id).to(model.device)
-        mask = torch.zeros_like(ids, dtype=torch.bool)
-        for j, i in enumerate(idx):
-            mask[j, : len(encoded[i])] = True
+    for idx in by_length(encoded, batch_size):
+        ids, mask = padded([encoded[i] for i in idx], model.config.pad_id)
+        ids, mask = ids.to(model.device), mask.to(model.device)
         vec = model.pool(model(ids, mask), mask).float()
         if pretrained.normalize:
             vec = torch.nn.functional.normalize(vec, dim=-1)

@@ -35,40 +35,86 @@ HELPS = {"train": "TSV file (src<TAB>tgt[<TAB>...], .gz ok) or SRC_FILE,TGT_FILE
          "preset": "model preset or config.json (default: the task's own, e.g. mt-small for translation)",
          "zh_simplified": "convert Traditional Chinese targets to Simplified (needs attnlab[zh])",
          "reverse": "swap the TSV columns' direction", "joint_vocab": "one BPE vocabulary for both sides",
-         "patience": "early stopping after N evaluations without improvement"}
+         "patience": "early stopping after N evaluations without improvement",
+         "src_col": "TSV column of the source", "tgt_col": "TSV column of the target",
+         "eval_sentences": "dev sentences translated for BLEU at each evaluation", "beam": "beam size for dev BLEU",
+         "tokenizer": "char (one token per character, as nanoGPT) or bpe", "block_size": "tokens per training sequence",
+         "eval_batches": "cap on validation blocks (0: the whole split)",
+         "label_col": "column of the label (default: from the header)", "text_col": "column of the text",
+         "init": "start from a pretrained encoder: minilm, or a model directory (e.g. of --task mlm)",
+         "batch_size": "lm: sequences per batch; classify, mlm: at most this many sentences per batch",
+         "val_fraction": "without --dev: the share held out for validation",
+         "reuse_tokenizer": "reuse the tokenizer already in --out (e.g. made by another process)"}
+
+
+GROUPS = {  # how --help groups the options of every task; each task's own options follow
+    "data and model": ("train", "dev", "out", "preset", "vocab_size", "max_len", "max_tokens", "batch_size",
+                       "val_fraction", "reuse_tokenizer", "seed"),
+    "optimisation": ("lr", "schedule", "warmup", "min_lr", "label_smoothing", "clip_norm", "weight_decay", "eps",
+                     "update_freq"),
+    "run": ("minutes", "max_steps", "eval_every", "patience", "save_every", "keep_last", "bf16", "compile",
+            "threads", "device", "progress"),
+}
 
 
 def arguments(p) -> None:
     from ..train import TrainArgs
     from ..train.tasks import TASKS
-    from ..train.trainer import CHOICES, RANGES
-    from .common import ranged
-    p.add_argument("--config", help="JSON file of training options (flags override it)")
-    p.add_argument("--resume", dest="resume_dir", metavar="DIR", help="continue the run saved in DIR exactly")
-    p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
-                   help="Adam betas (default 0.9 0.98, the paper's)")
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                   help="override a model config field, e.g. --set d_model=384 --set norm_placement=post")
     p.add_argument("--task", choices=list(TASKS), default=None,
                    help="; ".join(f"{name}: {task.summary}" for name, task in TASKS.items()))
-    for f in dataclasses.fields(TrainArgs):
-        if f.name in ("config_overrides", "betas", "resume", "task"):
+    p.add_argument("--config", help="JSON file of training options (flags override it)")
+    p.add_argument("--resume", dest="resume_dir", metavar="DIR", help="continue the run saved in DIR exactly")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="override a model config field, e.g. --set d_model=384 --set norm_placement=post")
+    fields = {f.name: f for f in dataclasses.fields(TrainArgs)}
+    for title, names in GROUPS.items():
+        g = p.add_argument_group(title)
+        for name in names:
+            _add_option(g, fields[name])
+        if title == "optimisation":
+            g.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
+                           help="Adam betas (default 0.9 0.98, the paper's)")
+    for name, task in TASKS.items():
+        if task.options:
+            g = p.add_argument_group(f"--task {name} only")
+            for option in task.options:
+                _add_option(g, fields[option])
+    listed = {n for names in GROUPS.values() for n in names} | {o for t in TASKS.values() for o in t.options}
+    missing = set(fields) - listed - {"task", "config_overrides", "betas", "resume"}
+    assert not missing, f"TrainArgs fields without a flag group: {sorted(missing)}"
+
+
+def _add_option(g, f) -> None:
+    from ..train.trainer import CHOICES, RANGES
+    from .common import ranged
+    flag, kind = "--" + f.name.replace("_", "-"), str(f.type).split(" |")[0]
+    if f.name in CHOICES:
+        g.add_argument(flag, choices=CHOICES[f.name], default=None, help=HELPS.get(f.name))
+    elif kind == "bool":
+        g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELPS.get(f.name))
+    else:
+        typ = {"int": int, "float": float}.get(kind, str)
+        g.add_argument(flag, type=ranged(typ, *RANGES[f.name]) if f.name in RANGES else typ, default=None,
+                       help=(HELPS.get(f.name, "") + f" (default: {f.default})").strip())
+
+
+def check_task_options(args, task: str) -> None:
+    """A flag that only another task reads is a usage error, not silently ignored."""
+    from ..train.tasks import TASKS
+    for name, other in TASKS.items():
+        if name == task:
             continue
-        flag, kind = "--" + f.name.replace("_", "-"), str(f.type).split(" |")[0]
-        if f.name in CHOICES:
-            p.add_argument(flag, choices=CHOICES[f.name], default=None, help=HELPS.get(f.name))
-        elif kind == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELPS.get(f.name))
-        else:
-            typ = {"int": int, "float": float}.get(kind, str)
-            p.add_argument(flag, type=ranged(typ, *RANGES[f.name]) if f.name in RANGES else typ, default=None,
-                           help=(HELPS.get(f.name, "") + f" (default: {f.default})").strip())
+        for option in other.options:
+            if getattr(args, option, None) is not None:
+                raise UsageError(f"--{option.replace('_', '-')} is an option of --task {name} only "
+                                 f"(this run is --task {task})")
 
 
 def run(args) -> int:
     from ..train import TrainArgs, Trainer
     values, saved = options(args)
     train_args = TrainArgs(**values)
+    check_task_options(args, train_args.task)
     if not train_args.train:
         raise UsageError("--train is required (a TSV file, or SRC_FILE,TGT_FILE)")
     check_model_options(train_args, saved, args)
@@ -87,6 +133,7 @@ def run(args) -> int:
 
 def options(args) -> tuple[dict, dict | None]:
     """The run's options (saved run < --config < flags), and the saved run's options when resuming."""
+    from ..data.readers import read_json
     from ..train import TrainArgs
     from ..train.trainer import check_train_options
     values = check_train_options(read_json(args.config, "a JSON object of training options"), args.config) \
@@ -164,21 +211,6 @@ def check_model_options(train_args, saved: dict | None, args) -> None:
     if changed:
         raise ValueError(f"--resume {args.resume_dir}: the saved run's model has {'; '.join(changed)}; a resumed "
                          "run keeps its model (start a new run with --out to change it)")
-
-
-def read_json(path, what: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: no such file" if not p.exists() else f"{p}: not a file")
-    try:
-        value = json.loads(p.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise ValueError(f"{p}: not UTF-8 text (expected {what})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}:{e.lineno}: not valid JSON ({e.msg}); expected {what}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{p}: expected {what}, found a JSON {type(value).__name__}")
-    return value
 
 
 def check_writable(directory) -> None:

@@ -59,6 +59,24 @@ def read_lines(path: str | Path, what: str = "lines") -> list[str]:
     return lines
 
 
+def read_json(path: str | Path, what: str = "JSON", expect: type | None = dict):
+    """A JSON file; a missing, non-UTF-8 or broken file, or a value of another type than ``expect``, is
+    an error naming the file (and the line)."""
+    import json
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such file" if not p.exists() else f"{p}: not a file")
+    try:
+        value = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{p}: not UTF-8 text (expected {what})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}:{e.lineno}: not valid JSON ({e.msg}); expected {what}") from None
+    if expect is not None and not isinstance(value, expect):
+        raise DataError(f"{p}: expected {what}, found a JSON {type(value).__name__}")
+    return value
+
+
 @dataclass
 class Pairs:
     src: list[str]

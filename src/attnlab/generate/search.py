@@ -8,18 +8,14 @@ prefill the left-padded prompt, then one token per step). The search algorithms 
 
 from __future__ import annotations
 
-import logging
-import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from ..accel import accelerate_for_inference, can_compile
-from ..model.transformer import DecoderOnly, EncoderDecoder
-
-log = logging.getLogger("attnlab")
+from ..accel import accelerate_for_inference, compiled_step
+from ..model.transformer import DecoderOnly, EncoderDecoder, eval_mode
+from .processors import LogitsProcessor, top_k_top_p
 
 
 @dataclass
@@ -66,67 +62,6 @@ class GenerationOutput:
 
 
 # -- steppers ---------------------------------------------------------------------------------------
-
-_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def compiled_step(model: torch.nn.Module, fn):
-    """``torch.compile`` of a one-token decoding step (``fn``: the model's forward or ``decode``).
-
-    Why: a decode step of a small model is hundreds of tiny ops whose Python and dispatch cost
-    rivals the matrix products. Inductor fuses them, and with ``freezing`` it treats the weights as
-    constants and pre-packs them. Shapes are dynamic (the KV cache grows, finished rows leave the
-    batch), so one compilation serves a whole generation and later ones. Compiling costs about a
-    minute for a 30-layer model on 2 CPU cores: worth it for long or repeated generation. On CPU in
-    fp32 inductor's frozen linears are MKL's, slower for one row than the eager oneDNN-packed ones
-    (``accel.PackedLinear``), so there the eager step is kept (measured: docs/results.md). Where
-    ``accel.can_compile`` says no (no C++ compiler, no triton) or the build fails, the eager step
-    runs, with the same results. Frozen weights are a snapshot: when a parameter changes, the step is
-    compiled again.
-    """
-    p0 = next(model.parameters())
-    if p0.device.type == "cpu" and p0.dtype == torch.float32:
-        if not getattr(compiled_step, "warned", False):
-            compiled_step.warned = True
-            warnings.warn("compile skipped: on CPU in fp32 attnlab's eager pre-packed linears decode faster "
-                          "than the compiled step (use bf16 to benefit from compile)")
-        return fn
-    if not can_compile(p0.device):  # no C++ compiler (CPU) or no triton (CUDA): eager, same results
-        return fn
-    key = tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
-    entry = _COMPILED.get(model)
-    if entry is None or entry[0] != key:
-        if entry is not None:
-            torch._dynamo.reset()  # dynamo's cache would otherwise keep serving the old constants
-        compiled = torch.compile(fn, dynamic=True)
-        failed = []
-
-        def step(*args, **kwargs):
-            import torch._inductor.config as inductor_config
-            if failed:
-                return fn(*args, **kwargs)
-            try:
-                with inductor_config.patch(freezing=True):  # read when (re)compiling, i.e. inside the call
-                    return compiled(*args, **kwargs)
-            except Exception as e:  # a compiler that is present but cannot build: the eager step
-                if not _is_compile_failure(e):
-                    raise
-                failed.append(e)
-                log.debug("compiled decode step failed to build (%s): eager decoding", str(e).splitlines()[0])
-                return fn(*args, **kwargs)
-        entry = (key, step)
-        _COMPILED[model] = entry
-    return entry[1]
-
-
-def _is_compile_failure(e: Exception) -> bool:
-    """Errors of the compiler toolchain (inductor's C++ build, a missing backend), not of the model."""
-    try:
-        from torch._dynamo.exc import BackendCompilerFailed
-    except ImportError:  # pragma: no cover - older torch
-        BackendCompilerFailed = ()
-    return isinstance(e, BackendCompilerFailed) or type(e).__module__.startswith(("torch._inductor", "torch._dynamo"))
-
 
 class Seq2SeqStepper:
     """Encoder-decoder: the encoder runs once; cross-attention K/V are computed at the first step
@@ -192,77 +127,6 @@ class DecoderOnlyStepper:
             self.mask = self.mask.index_select(0, rows)
 
 
-# -- logits processing ------------------------------------------------------------------------------
-
-
-def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's penalty: logits of tokens already present are divided (if > 0) or multiplied by it."""
-    picked = logits.gather(1, history)
-    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits.scatter(1, history, picked)
-
-
-def banned_ngram_tokens(seqs: list[list[int]], n: int) -> list[list[int]]:
-    """Tokens that would repeat an n-gram already in each sequence."""
-    out = []
-    for seq in seqs:
-        if len(seq) < n:
-            out.append([])
-            continue
-        prefix = tuple(seq[len(seq) - n + 1:]) if n > 1 else ()
-        out.append([seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i: i + n - 1]) == prefix])
-    return out
-
-
-def top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set with mass >= p
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
-    return logits
-
-
-class _Processor:
-    """min length, repetition penalty and no-repeat-n-gram. Histories are only built when a
-    penalty needs them, so plain greedy/beam decoding pays nothing per step."""
-
-    def __init__(self, cfg: GenerationConfig, eos_id: int, prompts: list[list[int]] | None,
-                 pad_id: int | None = None):
-        self.cfg, self.eos_id = cfg, eos_id
-        self.pad_id = pad_id if pad_id != eos_id else None  # padding is never a prediction
-        self.prompts = prompts  # decoder-only: penalties also see the prompt
-        self.needs_history = cfg.repetition_penalty != 1.0 or cfg.no_repeat_ngram_size > 0
-
-    def __call__(self, logits: torch.Tensor, generated, step: int) -> torch.Tensor:
-        cfg = self.cfg
-        if step < cfg.min_new_tokens:
-            logits[:, self.eos_id] = float("-inf")
-        if self.pad_id is not None:
-            logits[:, self.pad_id] = float("-inf")
-        if not self.needs_history:
-            return logits
-        generated = generated() if callable(generated) else generated
-        hist = [(self.prompts[i] if self.prompts else []) + g for i, g in enumerate(generated)]
-        if cfg.repetition_penalty != 1.0:
-            longest = max(len(h) for h in hist)
-            if longest:
-                # pad each history by repeating a token it already has (a no-op for the penalty)
-                idx = torch.tensor([h + [h[-1]] * (longest - len(h)) if h else [0] * longest for h in hist],
-                                   device=logits.device)
-                penalised = apply_repetition_penalty(logits, idx, cfg.repetition_penalty)
-                has = torch.tensor([bool(h) for h in hist], device=logits.device)[:, None]
-                logits = torch.where(has, penalised, logits)
-        if cfg.no_repeat_ngram_size > 0:
-            for row, banned in enumerate(banned_ngram_tokens(hist, cfg.no_repeat_ngram_size)):
-                if banned:
-                    logits[row, banned] = float("-inf")
-        return logits
-
-
 # -- greedy and sampling ------------------------------------------------------------------------------
 
 
@@ -275,7 +139,7 @@ def stream_tokens(stepper, batch_size: int, start: torch.Tensor | None, cfg: Gen
     """
     device = start.device if start is not None else stepper.prompt.device
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.seed is not None else None
-    process = _Processor(cfg, eos_id, prompts, pad_id)
+    process = LogitsProcessor(cfg, eos_id, prompts, pad_id)
     active = torch.arange(batch_size, device=device)  # original row of each live row
     generated: list[list[int]] = [[] for _ in range(batch_size)]
     tokens = start
@@ -317,7 +181,7 @@ def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationCo
     finishes those that end in EOS, and keeps the K best others alive. Returns, per input, the
     finished hypotheses sorted by length-normalised score (best first)."""
     K, B, device = cfg.num_beams, batch_size, start.device
-    process = _Processor(cfg, eos_id, [p for p in prompts for _ in range(K)] if prompts else None, pad_id)
+    process = LogitsProcessor(cfg, eos_id, [p for p in prompts for _ in range(K)] if prompts else None, pad_id)
     scores = torch.full((B, K), float("-inf"), device=device)
     scores[:, 0] = 0.0  # all beams start identical: only one may expand at the first step
     seqs = torch.zeros(B * K, 0, dtype=torch.long, device=device)
@@ -336,14 +200,9 @@ def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationCo
         last = step == max_new_tokens - 1
         # Finish EOS candidates ranked within the top K; at the length limit, the top K of all.
         for b, j in (is_eos[:, :K] if not last else torch.ones_like(is_eos[:, :K])).nonzero().tolist():
-            if done[b] or top[b, j] == float("-inf"):
-                continue
-            hyp = seqs[b * K + beam[b, j].item()].tolist()
-            eos = bool(is_eos[b, j])
-            if not eos:
-                hyp.append(tok[b, j].item())
-            lp = length_penalty(len(hyp) + eos, cfg.length_penalty)
-            finished[b].append(Hypothesis(hyp, top[b, j].item() / lp, top[b, j].item()))
+            if not done[b] and top[b, j] != float("-inf"):
+                finished[b].append(_hypothesis(seqs[b * K + beam[b, j].item()].tolist(), tok[b, j].item(),
+                                               bool(is_eos[b, j]), top[b, j].item(), cfg.length_penalty))
         # K best non-EOS candidates stay alive (rank order preserved).
         rank = torch.arange(2 * K, device=device).expand(B, 2 * K) + is_eos.long() * (2 * K)
         keep = rank.topk(K, dim=1, largest=False).indices  # (B, K)
@@ -351,16 +210,7 @@ def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationCo
         rows = (beam.gather(1, keep) + torch.arange(B, device=device)[:, None] * K).view(-1)
         new_tok = tok.gather(1, keep).view(-1)
         for b in range(B):
-            if done[b]:
-                continue
-            if len(finished[b]) >= K:
-                best_alive = new_scores[b].max().item()
-                worst = min(h.score for h in sorted(finished[b], key=lambda h: -h.score)[:K])
-                # With α > 0 a longer hypothesis can still gain; bound its best possible score.
-                bound = best_alive / length_penalty(max_new_tokens if cfg.length_penalty > 0 else step + 1,
-                                                    cfg.length_penalty) if best_alive < 0 else best_alive
-                if cfg.early_stopping or bound <= worst:
-                    done[b] = True
+            done[b] = done[b] or _group_done(finished[b], new_scores[b].max().item(), cfg, step, max_new_tokens)
         if all(done) or last:
             break
         scores = new_scores.masked_fill(torch.tensor(done, device=device)[:, None], float("-inf"))
@@ -369,14 +219,30 @@ def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationCo
         tokens = new_tok[:, None]
     for b in range(B):
         if len(finished[b]) < K:  # out of length: alive beams count as finished
-            for k in range(K):
-                row = b * K + k
-                if scores[b, k] > float("-inf"):
-                    hyp = seqs[row].tolist()
-                    finished[b].append(Hypothesis(hyp, scores[b, k].item() / length_penalty(len(hyp), cfg.length_penalty),
-                                                  scores[b, k].item()))
+            finished[b] += [_hypothesis(seqs[b * K + k].tolist(), None, False, scores[b, k].item(), cfg.length_penalty)
+                            for k in range(K) if scores[b, k] > float("-inf")]
         finished[b].sort(key=lambda h: -h.score)
     return finished
+
+
+def _hypothesis(prefix: list[int], token: int | None, eos: bool, logprob: float, alpha: float) -> Hypothesis:
+    """A finished hypothesis: the prefix plus its last token (EOS is not kept, but counts in the length)."""
+    tokens = prefix if eos or token is None else prefix + [token]
+    return Hypothesis(tokens, logprob / length_penalty(len(tokens) + eos, alpha), logprob)
+
+
+def _group_done(finished: list[Hypothesis], best_alive: float, cfg: GenerationConfig, step: int,
+                max_new_tokens: int) -> bool:
+    """Whether an input's search is over: K hypotheses finished and (early stopping, or) no alive beam
+    can still beat the worst of them."""
+    K = cfg.num_beams
+    if len(finished) < K:
+        return False
+    worst = min(h.score for h in sorted(finished, key=lambda h: -h.score)[:K])
+    # With α > 0 a longer hypothesis can still gain; bound its best possible score.
+    bound = best_alive / length_penalty(max_new_tokens if cfg.length_penalty > 0 else step + 1,
+                                        cfg.length_penalty) if best_alive < 0 else best_alive
+    return cfg.early_stopping or bound <= worst
 
 
 # -- entry points -------------------------------------------------------------------------------------
@@ -410,9 +276,7 @@ def stream(model, prompt_ids: list[int], config: GenerationConfig | None = None,
     if not isinstance(model, DecoderOnly):
         raise TypeError(f"streaming needs a decoder-only model, got {type(model).__name__}")
     accelerate_for_inference(model)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         x = torch.tensor([prompt_ids], device=model.device)
         max_new = lm_budget(model, x.shape[1], cfg)
         stepper = DecoderOnlyStepper(model, x, None, capacity=x.shape[1] + max_new + 1, compile=cfg.compile)
@@ -421,9 +285,6 @@ def stream(model, prompt_ids: list[int], config: GenerationConfig | None = None,
             if t.item() == eos:
                 return
             yield t.item()
-    finally:
-        model.train(was_training)
-
 
 
 @torch.inference_mode()  # cheaper than no_grad: no version counters, no view tracking
@@ -441,38 +302,35 @@ def generate(model, inputs: torch.Tensor, input_mask: torch.Tensor | None = None
         cfg = GenerationConfig(**{**cfg.__dict__, **overrides})
     cfg.validate()
     accelerate_for_inference(model)  # pre-packed CPU linears where this CPU can (same results)
-    was_training = model.training
-    model.eval()
-    mcfg = model.config
-    B = inputs.shape[0]
-    K = cfg.num_beams if not cfg.do_sample else 1
-    if isinstance(model, EncoderDecoder):
-        max_new = cfg.max_new_tokens or (int(input_mask.sum(1).max()) if input_mask is not None
-                                         else inputs.shape[1]) + 50
-        stepper = Seq2SeqStepper(model, inputs, input_mask, expand=K, capacity=max_new + 1,
-                                  compile=cfg.compile)
-        start = torch.full((B * K, 1), mcfg.bos_id, dtype=torch.long, device=inputs.device)
-        prompts = None
-    elif isinstance(model, DecoderOnly):
-        max_new = lm_budget(model, inputs.shape[1], cfg)
-        stepper = DecoderOnlyStepper(model, inputs, input_mask, expand=K, capacity=inputs.shape[1] + max_new + 1,
-                                     compile=cfg.compile)
-        start = None if K == 1 else torch.zeros(B * K, 1, dtype=torch.long, device=inputs.device)
-        mask = input_mask if input_mask is not None else torch.ones_like(inputs, dtype=torch.bool)
-        prompts = [row[m].tolist() for row, m in zip(inputs, mask.bool())]
-    else:
-        raise TypeError(f"generation needs an EncoderDecoder or DecoderOnly model, got {type(model).__name__}")
-    try:
-        if K == 1:
+    mcfg, B = model.config, inputs.shape[0]
+    with eval_mode(model):
+        stepper, start, prompts, max_new = _start(model, inputs, input_mask, cfg)
+        if cfg.num_beams == 1 or cfg.do_sample:
             seqs = [[] for _ in range(B)]
-            for rows, toks in stream_tokens(stepper, B, start, cfg, mcfg.eos_id, max_new, prompts,
-                                               mcfg.pad_id):
+            for rows, toks in stream_tokens(stepper, B, start, cfg, mcfg.eos_id, max_new, prompts, mcfg.pad_id):
                 for r, t in zip(rows.tolist(), toks.tolist()):
                     seqs[r].append(t)
             seqs = [s[: s.index(mcfg.eos_id)] if mcfg.eos_id in s else s for s in seqs]
             return GenerationOutput(seqs, [[Hypothesis(s, 0.0)] for s in seqs])
         nbest = beam_search(stepper, B, start, cfg, mcfg.eos_id, max_new, prompts, mcfg.pad_id)
-        nbest = [h[: cfg.num_return_sequences] if cfg.num_return_sequences > 1 else h for h in nbest]
-        return GenerationOutput([h[0].tokens for h in nbest], nbest)
-    finally:
-        model.train(was_training)
+    nbest = [h[: cfg.num_return_sequences] if cfg.num_return_sequences > 1 else h for h in nbest]
+    return GenerationOutput([h[0].tokens for h in nbest], nbest)
+
+
+def _start(model, inputs: torch.Tensor, input_mask: torch.Tensor | None, cfg: GenerationConfig):
+    """(stepper, first input tokens, prompts for the penalties, max new tokens) for the model's family."""
+    mcfg, B = model.config, inputs.shape[0]
+    K = cfg.num_beams if not cfg.do_sample else 1
+    if isinstance(model, EncoderDecoder):
+        max_new = cfg.max_new_tokens or (int(input_mask.sum(1).max()) if input_mask is not None
+                                         else inputs.shape[1]) + 50
+        stepper = Seq2SeqStepper(model, inputs, input_mask, expand=K, capacity=max_new + 1, compile=cfg.compile)
+        return stepper, torch.full((B * K, 1), mcfg.bos_id, dtype=torch.long, device=inputs.device), None, max_new
+    if isinstance(model, DecoderOnly):
+        max_new = lm_budget(model, inputs.shape[1], cfg)
+        stepper = DecoderOnlyStepper(model, inputs, input_mask, expand=K, capacity=inputs.shape[1] + max_new + 1,
+                                     compile=cfg.compile)
+        start = None if K == 1 else torch.zeros(B * K, 1, dtype=torch.long, device=inputs.device)
+        mask = input_mask if input_mask is not None else torch.ones_like(inputs, dtype=torch.bool)
+        return stepper, start, [row[m].tolist() for row, m in zip(inputs, mask.bool())], max_new
+    raise TypeError(f"generation needs an EncoderDecoder or DecoderOnly model, got {type(model).__name__}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batching import pad_batch
+from ..data.batching import by_length, padded
 from .search import GenerationConfig, generate
 
 
@@ -18,12 +18,10 @@ def translate(model, src_tokenizer, tgt_tokenizer, sentences: list[str], config:
     encoded = src_tokenizer.encode_batch(sentences, eos=True)
     if max_src_len:
         encoded = [e[: max_src_len - 1] + [src_tokenizer.eos_id] if len(e) > max_src_len else e for e in encoded]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     out: list = [None] * len(sentences)
-    for start in range(0, len(order), batch_size):
-        idx = order[start: start + batch_size]
-        src = pad_batch([encoded[i] for i in idx], model.config.pad_id).to(device)
-        res = generate(model, src, src != model.config.pad_id, cfg)
+    for idx in by_length(encoded, batch_size):
+        src, src_mask = padded([encoded[i] for i in idx], model.config.pad_id)
+        res = generate(model, src.to(device), src_mask.to(device), cfg)
         for j, i in enumerate(idx):
             if nbest:
                 out[i] = [(tgt_tokenizer.decode(h.tokens), h.score) for h in res.nbest[j]]

@@ -178,31 +178,11 @@ def plot_curves(metrics_path: str, out: str) -> str:
     """Training curves from metrics.jsonl as one PNG at *out*: train and dev loss on the left, the dev
     scores on the right (BLEU and chrF for translation; accuracy, perplexity for the other tasks), each
     dev curve labelled with its last value. Works for a file with no dev rows, or no rows at all."""
-    import json
-
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = []
-    with open(metrics_path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:  # blank, or a line cut short by a run that was stopped
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    losses = [("train_loss", "train (as optimised)", *_series(rows, "train_loss"))]
-    losses = [s for s in losses + [(key, label, *_series(rows, key)) for key, label in _DEV_LOSSES] if s[2]]
-    right = [(key, label, *_series(rows, key)) for key, label in _DEV_SCORES]
-    right = [s for s in right if s[2]]
-    right_title = "Dev scores"
-    if not right:
-        right = [(key, label, *_series(rows, key)) for key, label in _DEV_PERPLEXITIES]
-        right = [s for s in right if s[2]]
-        right_title = "Perplexity"
-
+    losses, right, right_title = _curve_series(_metric_rows(metrics_path))
     with plt.rc_context(_font_rc()):
         fig, axes = plt.subplots(1, 2 if right else 1, figsize=(11, 4.2) if right else (6.5, 4.2),
                                  squeeze=False, sharex=True)
@@ -242,6 +222,31 @@ def plot_curves(metrics_path: str, out: str) -> str:
     finally:
         plt.close(fig)
     return out
+
+
+def _metric_rows(metrics_path: str) -> list[dict]:
+    import json
+    rows = []
+    with open(metrics_path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:  # blank, or a line cut short by a run that was stopped
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def _curve_series(rows: list[dict]):
+    """(loss series, right-panel series, right-panel title): each series (key, label, steps, values)."""
+    losses = [("train_loss", "train (as optimised)", *_series(rows, "train_loss"))]
+    losses = [s for s in losses + [(key, label, *_series(rows, key)) for key, label in _DEV_LOSSES] if s[2]]
+    right = [s for s in ((key, label, *_series(rows, key)) for key, label in _DEV_SCORES) if s[2]]
+    if right:
+        return losses, right, "Dev scores"
+    right = [s for s in ((key, label, *_series(rows, key)) for key, label in _DEV_PERPLEXITIES) if s[2]]
+    return losses, right, "Perplexity"
 
 
 def _label_last(ax, steps: list, values: list, color: str) -> None:

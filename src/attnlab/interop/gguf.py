@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from ..config import TransformerConfig
-from ..model import build_model
 
 
 def _gguf():
@@ -50,7 +49,8 @@ def read_gguf(path: str | Path):
     return reader
 
 
-def gguf_config(reader, path: str = "") -> TransformerConfig:
+def gguf_hf_config(reader, path: str = "") -> dict:
+    """The file's metadata as a Hugging Face ``LlamaConfig`` dict (its architecture must be Llama)."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (attnlab reads 'llama')")
@@ -63,16 +63,32 @@ def gguf_config(reader, path: str = "") -> TransformerConfig:
     d_model, n_heads = int(g("embedding_length")), int(g("attention.head_count"))
     names = {t.name for t in reader.tensors}
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
-    return TransformerConfig(
-        family="decoder-only", vocab_size=int(g("vocab_size", len(_field(reader, "tokenizer.ggml.tokens", [])))),
-        d_model=d_model, n_heads=n_heads, n_kv_heads=int(g("attention.head_count_kv", n_heads)),
-        n_decoder_layers=int(g("block_count")), d_ff=int(g("feed_forward_length")), dropout=0.0,
-        norm="rmsnorm", norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)), norm_placement="pre",
-        activation="swiglu", positions="rope", rope_theta=float(g("rope.freq_base", 10000.0)),
-        max_len=int(g("context_length", 2048)), embed_scale=False, tie_output="output.weight" not in names,
-        bias=False, init="normal",
-        pad_id=int(_field(reader, "tokenizer.ggml.padding_token_id", eos)),
-        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)), eos_id=eos,
+    # The metadata as a Hugging Face LlamaConfig: from here on the GGUF file is read by the same
+    # Llama rules as an HF folder (interop/hf.py), so the layout is written once.
+    return {
+        "model_type": "llama", "vocab_size": int(g("vocab_size", len(_field(reader, "tokenizer.ggml.tokens", [])))),
+        "hidden_size": d_model, "num_attention_heads": n_heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", n_heads)), "num_hidden_layers": int(g("block_count")),
+        "intermediate_size": int(g("feed_forward_length")), "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)), "max_position_embeddings": int(g("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu",
+        "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", eos)),
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)), "eos_token_id": eos,
+    }
+
+
+# GGUF tensor names → Hugging Face Llama names (llama.cpp's convert script, in reverse).
+GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_gate": "mlp.gate_proj",
+                    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_norm": "post_attention_layernorm"}
+
+
+def gguf_config(reader, path: str = "") -> TransformerConfig:
+    """The attnlab config of a Llama GGUF file (through the HF Llama config rule)."""
+    from .hf import _ConfigDict, _llama_config
+    meta = gguf_hf_config(reader, path)
+    return _llama_config(_ConfigDict(meta)).replace(
         unk_id=int(_field(reader, "tokenizer.ggml.unknown_token_id", 0)), name=str(_field(reader, "general.name", "gguf")))
 
 
@@ -95,26 +111,24 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
     if missing:
         raise ValueError(f"{path}: missing tensors {missing[:3]}{' …' if len(missing) > 3 else ''} (truncated or not Llama?)")
 
-    def T(name):
-        return torch.from_numpy(np.array(tensors[name], dtype=np.float32))  # a writable copy
-
-    sd = {"embed.token.weight": T("token_embd.weight"), "decoder.norm.weight": T("output_norm.weight")}
-    if not cfg.tie_output:
-        sd["lm_head.weight"] = T("output.weight")
-    for i in range(cfg.n_decoder_layers):
-        b, a = f"blk.{i}", f"decoder.layers.{i}"
-        q = torch.from_numpy(_unpermute(tensors[f"{b}.attn_q.weight"], cfg.n_heads).astype(np.float32))
-        k = torch.from_numpy(_unpermute(tensors[f"{b}.attn_k.weight"], cfg.kv_heads).astype(np.float32))
-        sd[f"{a}.self_attn.qkv_proj.weight"] = torch.cat([q, k, T(f"{b}.attn_v.weight")], 0)
-        sd[f"{a}.self_attn.out_proj.weight"] = T(f"{b}.attn_output.weight")
-        sd[f"{a}.attn_residual.norm.weight"] = T(f"{b}.attn_norm.weight")
-        sd[f"{a}.feed_forward.w_in.weight"] = torch.cat([T(f"{b}.ffn_gate.weight"), T(f"{b}.ffn_up.weight")], 0)
-        sd[f"{a}.feed_forward.w_out.weight"] = T(f"{b}.ffn_down.weight")
-        sd[f"{a}.ffn_residual.norm.weight"] = T(f"{b}.ffn_norm.weight")
-    model = build_model(cfg, init=False)  # every weight is loaded next (checked)
-    missing_keys, unexpected = model.load_state_dict(sd, strict=False)
-    if unexpected or [m for m in missing_keys if m != "lm_head.weight"]:
-        raise ValueError(f"{path}: weights do not fit the config (missing {missing_keys}, unexpected {unexpected})")
+    from .hf import _ConfigDict, from_state_dict
+    hf_sd = {}
+    for name, arr in tensors.items():
+        stem, _, leaf = name.rpartition(".")
+        if stem.startswith("blk."):
+            _, i, kind = stem.split(".", 2)
+            if kind not in GGUF_LAYER_NAMES:
+                continue
+            hf_name = f"model.layers.{i}.{GGUF_LAYER_NAMES[kind]}.{leaf}"
+            if kind in ("attn_q", "attn_k"):  # llama.cpp's interleaved-RoPE row order → "rotate half"
+                arr = _unpermute(arr, cfg.n_heads if kind == "attn_q" else cfg.kv_heads)
+        elif stem in GGUF_NAMES:
+            hf_name = f"{GGUF_NAMES[stem]}.{leaf}"
+        else:
+            continue
+        hf_sd[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+    model = from_state_dict(_ConfigDict(gguf_hf_config(reader, str(path))), hf_sd, "model")
+    model.config = cfg  # the same model, with the file's unknown-token id and name
     model.to(dtype).eval()
     return model, gguf_tokenizer(reader, cfg), _field(reader, "tokenizer.chat_template")
 

@@ -12,7 +12,6 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,108 +20,8 @@ import torch
 from ..accel import pick_device, resolve_bf16
 from ..model import build_model
 from ..modeldir import atomic_write, save_model_dir, save_task_info, save_weights
+from .options import CHOICES, RANGES, TrainArgs, check_train_options
 from .tasks import TASKS, DataPosition, label_smoothed_loss
-
-
-@dataclass
-class TrainArgs:
-    """Every option of ``attnlab train`` (saved as training_args.json)."""
-    out: str = "runs/model"
-    task: str = "translation"       # translation | lm | classify
-    train: str = ""                 # TSV file, or SRC_FILE,TGT_FILE; text for lm; labelled rows for classify
-    dev: str = ""
-    src_col: int = 0
-    tgt_col: int = 1
-    reverse: bool = False
-    zh_simplified: bool = False     # OpenCC Traditional → Simplified on the Chinese target
-    label_col: int | None = None    # classify: column of the label (default: found from the header)
-    text_col: int | None = None     # classify: column of the text
-    init: str = ""                  # classify: start from a pretrained encoder: minilm, or a model directory (e.g. --task mlm)
-    tokenizer: str = "bpe"          # lm: char | bpe
-    block_size: int = 256           # lm: tokens per training sequence
-    batch_size: int = 32            # lm: sequences per batch; classify: max sentences per batch
-    val_fraction: float = 0.1       # lm/classify without --dev: the held-out tail / seeded share
-    eval_batches: int = 0           # lm: cap on validation blocks (0 = the whole split)
-    reuse_tokenizer: bool = False   # use the tokenizer already in --out (e.g. shared by torchrun workers)
-    preset: str = ""                # model preset or config.json; "": the task's default_preset
-    config_overrides: dict = field(default_factory=dict)
-    vocab_size: int = 8000          # per side (separate) or joint
-    joint_vocab: bool = False
-    max_len: int = 128              # tokens per side; longer pairs are filtered (counted)
-    max_tokens: int = 4000          # tokens per batch (per process)
-    update_freq: int = 1
-    lr: float | None = None         # peak learning rate; None: the paper's d^-0.5 · warmup^-0.5
-    schedule: str = "inverse_sqrt"  # inverse_sqrt (= the paper's), cosine, constant
-    warmup: int = 4000
-    min_lr: float = 0.0
-    label_smoothing: float | None = None  # None: the task's default (0.1 translation, 0 lm/classify)
-    clip_norm: float = 1.0
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.98)
-    eps: float = 1e-9
-    bf16: bool = False
-    compile: bool = False
-    seed: int = 1
-    max_steps: int | None = None
-    minutes: float | None = None
-    eval_every: int = 500
-    eval_sentences: int = 300       # dev subset for BLEU during training
-    beam: int = 1                   # beam size for dev BLEU
-    patience: int = 0               # early stopping after N evaluations without improvement (0: off)
-    save_every: int = 500
-    keep_last: int = 5              # step checkpoints kept for `attnlab average`
-    resume: bool = False
-    threads: int | None = None
-    progress: bool = True
-    device: str = "auto"
-
-
-# What each option may hold; checked for flags (a usage error) and for --config files (naming the file).
-RANGES = {
-    "minutes": ("> 0", lambda v: v > 0), "max_steps": (">= 1", lambda v: v >= 1),
-    "max_tokens": (">= 1", lambda v: v >= 1), "update_freq": (">= 1", lambda v: v >= 1),
-    "lr": ("> 0", lambda v: v > 0), "warmup": (">= 0", lambda v: v >= 0), "min_lr": (">= 0", lambda v: v >= 0),
-    "label_smoothing": ("in [0, 1)", lambda v: 0 <= v < 1), "clip_norm": (">= 0", lambda v: v >= 0),
-    "weight_decay": (">= 0", lambda v: v >= 0), "eps": ("> 0", lambda v: v > 0),
-    "eval_every": (">= 0", lambda v: v >= 0), "eval_sentences": (">= 1", lambda v: v >= 1),
-    "beam": (">= 1", lambda v: v >= 1), "patience": (">= 0", lambda v: v >= 0),
-    "save_every": (">= 0", lambda v: v >= 0), "keep_last": (">= 1", lambda v: v >= 1),
-    "threads": (">= 1", lambda v: v >= 1), "vocab_size": (">= 16", lambda v: v >= 16),
-    "max_len": (">= 2", lambda v: v >= 2), "block_size": (">= 1", lambda v: v >= 1),
-    "batch_size": (">= 1", lambda v: v >= 1), "val_fraction": ("in (0, 1)", lambda v: 0 < v < 1),
-    "eval_batches": (">= 0", lambda v: v >= 0), "src_col": (">= 0", lambda v: v >= 0),
-    "tgt_col": (">= 0", lambda v: v >= 0), "label_col": (">= 0", lambda v: v >= 0),
-    "text_col": (">= 0", lambda v: v >= 0),
-}
-CHOICES = {"schedule": ("inverse_sqrt", "cosine", "constant"), "tokenizer": ("bpe", "char")}
-
-
-def check_train_options(values: dict, source: str) -> dict:
-    """Unknown names, wrong types and out-of-range values of training options, named with their
-    source (a --config file, training_args.json); returns the values with JSON lists made tuples."""
-    fields = {f.name: f for f in dataclasses.fields(TrainArgs)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ValueError(f"{source}: unknown training option(s) {', '.join(unknown)} "
-                         f"(known: {', '.join(sorted(fields))})")
-    out = dict(values)
-    for name, v in values.items():
-        kind = str(fields[name].type)
-        if v is None and "None" in kind:
-            continue
-        ok = {"bool": isinstance(v, bool), "dict": isinstance(v, dict), "str": isinstance(v, str),
-              "tuple": isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v),
-              "int": isinstance(v, int) and not isinstance(v, bool),
-              "float": isinstance(v, (int, float)) and not isinstance(v, bool)}[kind.split(" |")[0]]
-        if not ok:
-            raise ValueError(f"{source}: option {name!r} must be {kind.split(' |')[0]}, got {v!r}")
-        if name in RANGES and not RANGES[name][1](v):
-            raise ValueError(f"{source}: option {name!r} = {v!r} must be {RANGES[name][0]}")
-        if name in CHOICES and v not in CHOICES[name]:
-            raise ValueError(f"{source}: option {name!r} = {v!r} must be one of {', '.join(CHOICES[name])}")
-        if kind == "tuple":
-            out[name] = tuple(v)
-    return out
 
 
 def learning_rate(step: int, args: TrainArgs, d_model: int, progress: float | None = None) -> float:
@@ -318,8 +217,8 @@ class Trainer:
             return self._train()
 
     def _train(self) -> dict:
-        args, model = self.args, self.model
-        model.train()
+        args = self.args
+        self.model.train()
         self.t0 = time.time()
         budget = args.minutes * 60 if args.minutes else None
         bar = None
@@ -327,9 +226,8 @@ class Trainer:
             from tqdm import tqdm
             bar = tqdm(total=args.max_steps or int(budget or 0) or None, initial=self.step if args.max_steps else 0,
                        unit="step" if args.max_steps else "s", dynamic_ncols=True, mininterval=1.0)
-        tok_count, loss_sum, loss_n, t_log = 0, 0.0, 0, time.time()
-        stop_reason = "max steps"
-        last_eval = None
+        self._stats = {"tokens": 0, "loss_sum": 0.0, "loss_n": 0, "since": time.time()}
+        stop_reason, last_eval = "max steps", None
         while True:
             elapsed = self.elapsed_before + time.time() - self.t0
             if args.max_steps is not None and self.step >= args.max_steps:
@@ -338,39 +236,8 @@ class Trainer:
                 stop_reason = "time budget"
                 break
             lr = learning_rate(self.step + 1, args, self.config.d_model, self._progress(elapsed, budget))
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            self.optimizer.zero_grad(set_to_none=True)
-            for micro in range(args.update_freq):
-                self.position.step, self.position.micro = self.step, micro
-                batch = tuple(t.to(self.device) for t in self.task.batch(self.position))
-                sync = micro == args.update_freq - 1
-                ctx = self.ddp_model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
-                with ctx:
-                    with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                        loss, n, n_in = self.task.loss(self.forward, batch, self.smoothing)
-                    (loss / args.update_freq).backward()
-                loss_sum += loss.item() * n
-                loss_n += n
-                tok_count += n_in
-            if args.clip_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
-            self.optimizer.step()
-            self.step += 1
-            if bar is not None:
-                now = time.time()
-                if args.max_steps:
-                    bar.update(1)
-                else:
-                    bar.update(min(int(self.elapsed_before + now - self.t0), bar.total or 0) - bar.n)
-                bar.set_postfix_str(f"step {self.step} loss {loss_sum / max(loss_n, 1):.3f} lr {lr:.2e} "
-                                    f"tok/s {tok_count * self.world / max(now - t_log, 1e-9):,.0f}", refresh=False)
-            if self.step % 50 == 0:
-                now = time.time()
-                self._metrics({"step": self.step, "train_loss": round(loss_sum / max(loss_n, 1), 4), "lr": lr,
-                               "tokens_per_s": round(tok_count * self.world / max(now - t_log, 1e-9)),
-                               "elapsed": round(self.elapsed_before + now - self.t0, 1)})
-                tok_count, loss_sum, loss_n, t_log = 0, 0.0, 0, now
+            self._update(lr)
+            self._report(lr, bar)
             if args.eval_every and self.step % args.eval_every == 0 and self.task.has_dev:
                 last_eval = self.step
                 if self._evaluate_and_keep_best():
@@ -383,13 +250,56 @@ class Trainer:
                 break
         if bar is not None:
             bar.close()
+        return self._finish(stop_reason, last_eval)
+
+    def _update(self, lr: float) -> None:
+        """One optimizer step: ``update_freq`` micro-batches (gradients synchronised on the last under
+        DDP), clipping, the step."""
+        args, stats = self.args, self._stats
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in range(args.update_freq):
+            self.position.step, self.position.micro = self.step, micro
+            batch = tuple(t.to(self.device) for t in self.task.batch(self.position))
+            sync = micro == args.update_freq - 1
+            ctx = self.ddp_model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
+            with ctx:
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    loss, n, n_in = self.task.loss(self.forward, batch, self.smoothing)
+                (loss / args.update_freq).backward()
+            stats["loss_sum"] += loss.item() * n
+            stats["loss_n"] += n
+            stats["tokens"] += n_in
+        if args.clip_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_norm)
+        self.optimizer.step()
+        self.step += 1
+
+    def _report(self, lr: float, bar) -> None:
+        """The progress bar after every update; a metrics.jsonl row every 50 updates."""
+        stats, now = self._stats, time.time()
+        loss = stats["loss_sum"] / max(stats["loss_n"], 1)
+        tok_s = stats["tokens"] * self.world / max(now - stats["since"], 1e-9)
+        if bar is not None:
+            if self.args.max_steps:
+                bar.update(1)
+            else:
+                bar.update(min(int(self.elapsed_before + now - self.t0), bar.total or 0) - bar.n)
+            bar.set_postfix_str(f"step {self.step} loss {loss:.3f} lr {lr:.2e} tok/s {tok_s:,.0f}", refresh=False)
+        if self.step % 50 == 0:
+            self._metrics({"step": self.step, "train_loss": round(loss, 4), "lr": lr, "tokens_per_s": round(tok_s),
+                           "elapsed": round(self.elapsed_before + now - self.t0, 1)})
+            self._stats = {"tokens": 0, "loss_sum": 0.0, "loss_n": 0, "since": now}
+
+    def _finish(self, stop_reason: str, last_eval: int | None) -> dict:
         result = {"steps": self.step, "stop": stop_reason,
                   "elapsed": round(self.elapsed_before + time.time() - self.t0, 1)}
         if self.task.has_dev and last_eval != self.step and stop_reason != "interrupted":
             self._evaluate_and_keep_best()
         self.save_checkpoint()
         if self.is_main and self.best is None:  # no dev set: the last weights are the model
-            save_weights(model, self.out / "model.safetensors")
+            save_weights(self.model, self.out / "model.safetensors")
         result["best"] = self.best
         if self.world > 1:
             import torch.distributed as dist

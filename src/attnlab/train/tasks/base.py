@@ -56,6 +56,7 @@ class Task(ABC):
     family: str = ""               # the model family the task trains
     default_preset: str = ""
     default_label_smoothing: float = 0.0
+    options: tuple[str, ...] = ()  # TrainArgs fields only this task reads (other tasks reject them as flags)
 
     @abstractmethod
     def prepare(self, args, out: Path, log) -> None: ...

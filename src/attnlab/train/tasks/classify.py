@@ -24,6 +24,7 @@ class ClassificationTask(Task):
     family = "encoder-only"
     default_preset = "bert-mini"
     default_label_smoothing = 0.0
+    options = ("label_col", "text_col", "init")  # flags that only this task reads
 
     def prepare(self, args, out: Path, log) -> None:
         train = read_labeled(args.train, args.label_col, args.text_col)

@@ -21,6 +21,7 @@ class LanguageModelTask(Task):
     family = "decoder-only"
     default_preset = "gpt-mini"
     default_label_smoothing = 0.0
+    options = ("tokenizer", "block_size", "eval_batches")  # flags that only this task reads
 
     def prepare(self, args, out: Path, log) -> None:
         text = read_text(args.train)

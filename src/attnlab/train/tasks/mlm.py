@@ -26,6 +26,7 @@ class MaskedLMTask(Task):
     family = "encoder-only"
     default_preset = "bert-mini"
     default_label_smoothing = 0.0
+    options = ()  # flags that only this task reads
     mask_prob = 0.15
 
     def prepare(self, args, out: Path, log) -> None:

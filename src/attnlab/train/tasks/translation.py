@@ -21,6 +21,7 @@ class TranslationTask(Task):
     family = "encoder-decoder"
     default_preset = "mt-small"
     default_label_smoothing = 0.1
+    options = ("src_col", "tgt_col", "reverse", "zh_simplified", "joint_vocab", "eval_sentences", "beam")
 
     def prepare(self, args, out: Path, log) -> None:
         train = read_pairs(args.train, args.src_col, args.tgt_col, args.reverse)
