@@ -113,3 +113,32 @@ def test_minilm_through_load_equals_embed():
     assert m.kind == "embedding"
     texts = ["A man is eating food.", "The stock market fell."]
     np.testing.assert_allclose(m.embed(texts), embed(load_pretrained("minilm"), texts), atol=1e-6)
+
+
+def test_a_directory_without_task_record_gets_its_kind_from_the_family(dirs, tmp_path):
+    import shutil
+    d = tmp_path / "lm-no-record"
+    shutil.copytree(dirs["lm"], d)
+    (d / "task.json").unlink()
+    m = attnlab.load(d, device="cpu")
+    assert m.kind == "lm" and m.generate(["Tom"], GenerationConfig(max_new_tokens=3))
+
+
+def test_stream_keeps_a_cut_multibyte_tail():
+    """A stream that ends inside a multi-byte character still gives what generate gives."""
+    from attnlab.api import LoadedModel
+
+    class FakeTok:  # decodes byte ids; 0xE4 0xBD 0xA0 is "你"
+        tk = type("TK", (), {"decode": staticmethod(lambda ids, skip_special_tokens=False:
+                                                     bytes(ids).decode("utf-8", errors="replace"))})()
+
+    m = LoadedModel(torch.nn.Linear(1, 1), FakeTok(), kind="lm")
+    import attnlab.generate.search as search
+    orig = search.stream
+    search.stream = lambda module, ids, options=None: iter([0xE4, 0xBD, 0xA0, 0xE5])
+    try:
+        m.prompt_ids = lambda prompt, chat=False, system=None: [ord("a")]
+        pieces = list(m.stream("a"))
+    finally:
+        search.stream = orig
+    assert "".join(pieces) == "你\ufffd"

@@ -82,3 +82,12 @@ def test_task_choices_and_groups_come_from_the_registry(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert all(name in out for name in TASKS) and "--task lm only:" in out and "--task classify only:" in out
+
+
+def test_resume_continues_in_its_own_directory(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "training_args.json").write_text('{"task": "translation", "out": "elsewhere"}')
+    assert main(["train", "--resume", str(run), "--out", str(tmp_path / "other")]) == 2
+    assert f"--resume {run} continues that run in {run}; drop --out" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()

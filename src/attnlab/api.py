@@ -93,7 +93,11 @@ class LoadedModel:
                 [{"role": "user", "content": prompt}]
             return self.tokenizer.encode(apply_chat_template(self.chat_template, messages))
         cfg = self.config
-        return self.tokenizer.encode(prompt, bos=cfg.bos_id != cfg.eos_id and not self.chat_template)
+        ids = self.tokenizer.encode(prompt, bos=cfg.bos_id != cfg.eos_id and not self.chat_template)
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens to continue): give some text"
+                             + (", or use --chat" if self.chat_template else ""))
+        return ids
 
     def generate(self, prompts: list[str], options: GenerationConfig | None = None, chat: bool = False,
                  system: str | None = None) -> list[str]:
@@ -116,12 +120,15 @@ class LoadedModel:
         ids = self.prompt_ids(prompt, chat, system)
         new: list[int] = []
         shown = ""
+        text = ""
         for t in stream(self.module, ids, options):
             new.append(t)
             text = self.continuation(ids, new)
             if not text.endswith("\ufffd"):
                 yield text[len(shown):]
                 shown = text
+        if len(text) > len(shown):  # generation ended inside a multi-byte character: what generate gives
+            yield text[len(shown):]
 
     def continuation(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """The text the new tokens add to the prompt. Decoding them alone would lose the space a token
@@ -229,7 +236,7 @@ def _task_record(spec: str) -> dict:
         is_ours = "family" in json.loads((d / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    if not is_ours:
+    if not is_ours or not (d / "task.json").exists():  # no record: the kind follows the model's family
         return {}
     from .modeldir import load_task_info
     return load_task_info(d)

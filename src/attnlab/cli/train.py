@@ -151,8 +151,14 @@ def options(args) -> tuple[dict, dict | None]:
         if asked and asked != saved.get("task", "translation"):
             raise ValueError(f"--resume {args.resume_dir}: that run is --task {saved.get('task', 'translation')}, "
                              f"not --task {asked}")
-        values = {**saved, **values, "resume": True, "out": args.resume_dir}
+        values = {**saved, **values}
+        out = flags.pop("out", None)
+        if out is not None and Path(out).resolve() != Path(args.resume_dir).resolve():
+            raise UsageError(f"--resume {args.resume_dir} continues that run in {args.resume_dir}; drop --out {out} "
+                             "(or start a new run with --out alone)")
     values.update(flags)
+    if args.resume_dir:
+        values.update(resume=True, out=args.resume_dir)
     values["config_overrides"] = model_overrides(values.get("config_overrides", {}), args.set or [])
     if values.get("betas") is not None:
         values["betas"] = tuple(values["betas"])
