@@ -150,3 +150,23 @@ def test_empty_after_filtering_is_an_error(sample, tmp_path):
     res = run_cli("train", "--train", str(sample / "train.tsv"), "--out", str(tmp_path / "x"), "--max-len", "2",
                   "--vocab-size", "300", "--max-steps", "1", "--no-progress")
     assert res.returncode == 1 and "no training pairs left after filtering by --max-len 2" in res.stderr
+
+
+def test_two_processes_stop_together_on_early_stopping_and_time_budget(sample, tmp_path):
+    """Only the main process evaluates, and each process has its own clock: the stop is agreed (it used
+    to leave the other process waiting in a collective for ever)."""
+    common = ["--train", str(sample / "train.tsv"), "--dev", str(sample / "train.tsv"), "--preset", "mt-tiny",
+              "--vocab-size", "300", "--max-tokens", "400", "--max-steps", "200", "--lr", "1e-9", "--warmup", "1",
+              "--save-every", "0", "--eval-every", "1", "--eval-sentences", "2", "--patience", "1", "--minutes", "0.5",
+              "--no-progress", "--seed", "5", "--threads", "1", *TINY]
+    one = run_cli("train", "--out", str(tmp_path / "one"), *common, "--max-steps", "1")  # makes the tokenizers
+    assert one.returncode == 0, one.stderr[-2000:]
+    (tmp_path / "two").mkdir()
+    for f in ("tokenizer.json", "tgt_tokenizer.json"):
+        (tmp_path / "two" / f).write_bytes((tmp_path / "one" / f).read_bytes())
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29519", "-m", "attnlab", "train", "--out", str(tmp_path / "two"), "--reuse-tokenizer", *common],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=180)
+    assert two.returncode == 0, two.stderr[-3000:]
+    result = json.loads([l for l in two.stdout.splitlines() if l.startswith("{")][0])
+    assert result["stop"] in ("early stopping", "time budget") and result["steps"] < 200

@@ -200,15 +200,26 @@ class Trainer:
             for sig, h in old.items():
                 signal.signal(sig, h)
 
-    def _should_stop(self) -> bool:
-        """An interruption stops every process at the same step (a flag all-reduced under DDP)."""
-        flag = self.interrupted is not None
-        if self.world > 1:
-            import torch.distributed as dist
-            t = torch.tensor([int(flag)], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag
+    STOPS = ("", "early stopping", "interrupted")  # a higher code wins when processes differ
+
+    def _agreed_stop(self, code: int) -> str:
+        """Every process stops at the same step, for the same reason: early stopping (only the main
+        process evaluates) and an interruption are local, so their codes are all-reduced (max) under
+        DDP. "" = go on."""
+        return self.STOPS[int(self._all_max(code))]
+
+    def _agreed_clock(self, elapsed: float) -> float:
+        """The training time all processes use (the slowest one's), so a time budget ends every process
+        at the same step and a time-based cosine schedule gives them the same learning rate."""
+        return self._all_max(elapsed)
+
+    def _all_max(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
 
     def train(self) -> dict:
         if not hasattr(self, "model"):
@@ -229,24 +240,24 @@ class Trainer:
         self._stats = {"tokens": 0, "loss_sum": 0.0, "loss_n": 0, "since": time.time()}
         stop_reason, last_eval = "max steps", None
         while True:
-            elapsed = self.elapsed_before + time.time() - self.t0
             if args.max_steps is not None and self.step >= args.max_steps:
                 break
+            elapsed = self._agreed_clock(self.elapsed_before + time.time() - self.t0)
             if budget is not None and elapsed >= budget:
                 stop_reason = "time budget"
                 break
             lr = learning_rate(self.step + 1, args, self.config.d_model, self._progress(elapsed, budget))
             self._update(lr)
             self._report(lr, bar)
+            early = False
             if args.eval_every and self.step % args.eval_every == 0 and self.task.has_dev:
                 last_eval = self.step
-                if self._evaluate_and_keep_best():
-                    stop_reason = "early stopping"
-                    break
+                early = self._evaluate_and_keep_best()
             if args.save_every and self.step % args.save_every == 0:
                 self.save_checkpoint()
-            if self._should_stop():
-                stop_reason = "interrupted"
+            agreed = self._agreed_stop(2 if self.interrupted is not None else 1 if early else 0)
+            if agreed:
+                stop_reason = agreed
                 break
         if bar is not None:
             bar.close()
