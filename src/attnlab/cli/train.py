@@ -85,7 +85,7 @@ def arguments(p) -> None:
 
 
 def _add_option(g, f) -> None:
-    from ..train.trainer import CHOICES, RANGES
+    from ..train.options import CHOICES, RANGES
     from .common import ranged
     flag, kind = "--" + f.name.replace("_", "-"), str(f.type).split(" |")[0]
     if f.name in CHOICES:
@@ -135,7 +135,7 @@ def options(args) -> tuple[dict, dict | None]:
     """The run's options (saved run < --config < flags), and the saved run's options when resuming."""
     from ..data.readers import read_json
     from ..train import TrainArgs
-    from ..train.trainer import check_train_options
+    from ..train.options import check_train_options
     values = check_train_options(read_json(args.config, "a JSON object of training options"), args.config) \
         if args.config else {}
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArgs)

@@ -16,8 +16,7 @@ import torch
 from ..config import TransformerConfig
 from ..model import build_model
 from ..model.transformer import TransformerBase
-from .hf_rules import (Rule, _act_back, _bert_config, _gpt2_config, _llama_config, _prefixed, _rules,  # noqa: F401
-                       _seq2seq_config, _unsupported)
+from .hf_rules import _act_back, _bert_config, _gpt2_config, _llama_config, _prefixed, _rules, _seq2seq_config
 
 ARCHITECTURES = ("bart", "marian", "gpt2", "bert", "llama")
 

@@ -20,7 +20,7 @@ import torch
 from ..accel import pick_device, resolve_bf16
 from ..model import build_model
 from ..modeldir import atomic_write, save_model_dir, save_task_info, save_weights
-from .options import CHOICES, RANGES, TrainArgs, check_train_options
+from .options import TrainArgs
 from .tasks import TASKS, DataPosition, label_smoothed_loss
 
 
