@@ -22,10 +22,10 @@ from typing import Any
 FAMILIES = ("encoder-decoder", "decoder-only", "encoder-only")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("post", "pre")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
-POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "none")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh")
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
 SINUSOIDAL_LAYOUTS = ("interleaved", "split")
-INITS = ("xavier", "normal", "torch")
+INITS = ("xavier", "normal", "t5", "torch")
 POOLINGS = ("cls", "mean", "last")
 
 
@@ -70,6 +70,21 @@ class TransformerConfig:
     max_len: int = 1024  # learned positions only: the size of the table
     rope_theta: float = 10000.0
     type_vocab_size: int = 0  # BERT's token-type (segment) embeddings; 0 = none
+    # positions="t5": a learned bias per head for each bucket of relative distance (key - query);
+    # exact buckets for near distances, log-spaced ones up to rel_max_distance, one bucket beyond.
+    rel_buckets: int = 32
+    rel_max_distance: int = 128
+    # Scores divided by √d_k (the paper). T5 does not scale: it folds the factor into the init.
+    attention_scale: bool = True
+    # T5: the decoder output is multiplied by d_model^-0.5 before a *tied* output projection, since
+    # the shared embedding is initialised with std 1 (no √d input scale to undo).
+    tied_output_scale: bool = False
+
+    # Images as tokens (ViT, encoder-only): image_size > 0 replaces the token embedding by a patch
+    # embedding of (image_size / patch_size)² patches of n_channels, plus a [CLS] token.
+    image_size: int = 0
+    patch_size: int = 16
+    n_channels: int = 3
 
     embed_scale: bool = True  # multiply token embeddings by sqrt(d_model)
     tie_output: bool = True  # decoder input embedding == output projection
@@ -110,6 +125,14 @@ class TransformerConfig:
     @property
     def has_final_norm(self) -> bool:
         return self.norm_placement == "pre" if self.final_norm is None else self.final_norm
+
+    @property
+    def is_image_model(self) -> bool:
+        return self.image_size > 0
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 if self.image_size else 0
 
     @property
     def has_encoder(self) -> bool:
@@ -173,6 +196,25 @@ class TransformerConfig:
                 and self.tgt_vocab_size not in (None, self.vocab_size)):
             fail(f"share_embeddings=True needs a joint vocabulary, but vocab_size={self.vocab_size} "
                  f"!= tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False")
+        if self.positions == "t5":
+            positive("rel_buckets")
+            positive("rel_max_distance")
+            if self.rel_buckets < 4:
+                fail(f"rel_buckets={self.rel_buckets} must be >= 4 (half per direction, half of that exact)")
+        if self.tied_output_scale and not self.tie_output:
+            fail("tied_output_scale=True rescales a tied output projection; it needs tie_output=True")
+        if self.image_size:
+            positive("image_size")
+            positive("patch_size")
+            positive("n_channels")
+            if self.family != "encoder-only":
+                fail(f"image_size (a ViT patch embedding) needs family='encoder-only', not {self.family!r}")
+            if self.image_size % self.patch_size:
+                fail(f"image_size={self.image_size} is not divisible by patch_size={self.patch_size}")
+            if self.pooling == "last":
+                fail("pooling='last' is for text; an image model pools 'cls' or 'mean'")
+        elif self.image_size < 0:
+            fail(f"image_size={self.image_size} must be >= 0 (0: a text model)")
         if self.n_classes < 0:
             fail(f"n_classes={self.n_classes} must be >= 0")
         if self.n_classes and self.family != "encoder-only":
@@ -259,6 +301,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                        n_kv_heads=2, n_decoder_layers=4, d_ff=688, dropout=0.0,
                        norm="rmsnorm", norm_placement="pre", activation="swiglu",
                        positions="rope", embed_scale=False, bias=False, init="normal"),
+    # T5 (v1.1 layout) at the demo's size: relative position buckets, RMS norm without bias, no
+    # 1/√d scaling, gated-GELU FFN (d_ff = 2/3 · 1024 keeps mt-small's parameter count), T5 init.
+    "t5-mini": dict(family="encoder-decoder", vocab_size=8000, d_model=256, n_heads=4,
+                    n_encoder_layers=3, n_decoder_layers=3, d_ff=672, dropout=0.1, norm="rmsnorm",
+                    norm_eps=1e-6, norm_placement="pre", activation="geglu_tanh", positions="t5",
+                    attention_scale=False, embed_scale=False, tie_output=True, tied_output_scale=True,
+                    bias=False, init="t5"),
+    # ViT at MNIST size (28×28 grey, 4×4 patches = 49 tokens + [CLS]), under 1M parameters.
+    "vit-mnist": dict(family="encoder-only", vocab_size=1, image_size=28, patch_size=4, n_channels=1,
+                      d_model=128, n_heads=4, n_encoder_layers=6, d_ff=256, dropout=0.0,
+                      activation="gelu", norm_placement="pre", norm_eps=1e-6, positions="learned",
+                      max_len=50, embed_scale=False, tie_output=False, init="normal", n_classes=10,
+                      pooling="cls", pad_id=0, bos_id=0, eos_id=0, unk_id=0),
     # BERT style encoder.
     "bert-mini": dict(family="encoder-only", vocab_size=8000, d_model=256, n_heads=4,
                       n_encoder_layers=4, d_ff=1024, dropout=0.1, activation="gelu",

@@ -52,12 +52,14 @@ def scaled_dot_product_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
     is_causal: bool = False, dropout_p: float = 0.0, need_weights: bool = False,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """softmax(QKᵀ/√d_k + bias)·V with d_k the *per-head* dimension.
+    """softmax(QKᵀ/√d_k + bias)·V with d_k the *per-head* dimension (``scale`` replaces 1/√d_k;
+    T5 uses 1).
 
     q: (B, h, Tq, hd); k, v: (B, kv, Tk, hd) with h a multiple of kv (GQA/MQA: query head i uses
     key/value head i // (h/kv)). ``mask`` is boolean (True = attend); ``bias`` is added to the
-    scores (ALiBi). The fast path is PyTorch's fused kernel; ``need_weights=True`` takes the
+    scores (ALiBi, T5's relative positions). The fast path is PyTorch's fused kernel; ``need_weights=True`` takes the
     explicit path that also returns the (B, h, Tq, Tk) attention weights.
     """
     h, kv = q.shape[1], k.shape[1]
@@ -79,19 +81,19 @@ def scaled_dot_product_attention(
         # The explicit path; also the faster one on CPU for one query per row (incremental
         # decoding) of a batch or in bf16, where the fused kernel's setup costs more than the three
         # small matmuls; a single fp32 row is the exception (measured: docs/results.md).
-        weights, out = _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p)
+        weights, out = _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p, scale)
         if not need_weights:
             weights = None
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                             is_causal=is_causal, enable_gqa=h != kv)
+                                             is_causal=is_causal, enable_gqa=h != kv, scale=scale)
         weights = None
     if valid_rows is not None:
         out = out.masked_fill(~valid_rows, 0.0)
     return out, weights
 
 
-def _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p):
+def _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p, scale=None):
     """softmax(QKᵀ/√d + mask)·V with the weights. For GQA the g = h/kv query heads that share a
     key/value head are stacked along the query axis, so K and V are never copied per head."""
     B, h, Tq, hd = q.shape
@@ -102,7 +104,8 @@ def _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p):
         # SmolLM2's decode step); fp32 softmax is also the more exact one.
         q, k, v = q.float(), k.float(), v.float()
     qg = q.reshape(B, kv, (h // kv) * Tq, hd)  # (B, kv, g·Tq, hd)
-    scores = ((qg @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    scores = ((qg @ k.transpose(-2, -1)) * scale).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
@@ -174,8 +177,9 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *,
-                 bias: bool = True, dropout: float = 0.0, cross: bool = False):
+                 bias: bool = True, dropout: float = 0.0, cross: bool = False, scale: float | None = None):
         super().__init__()
+        self.scale = scale  # None: 1/√head_dim
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
         self.head_dim = d_model // n_heads
@@ -227,7 +231,8 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.append(k, v)  # (B, kv, past+T, hd)
         out, weights = scaled_dot_product_attention(
             q, k, v, mask, bias, is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0, need_weights=self.record_weights)
+            dropout_p=self.dropout if self.training else 0.0, need_weights=self.record_weights,
+            scale=self.scale)
         if self.record_weights:
             self.last_weights = weights.detach()
         # transpose makes the tensor non-contiguous; view needs contiguous memory (the classic bug

@@ -6,7 +6,11 @@ way). Positions are therefore injected in one of two ways:
 
 * **added to the input** (the paper): sinusoidal (fixed) or learned (trainable table);
 * **inside attention**: RoPE rotates queries and keys by an angle proportional to the position;
-  ALiBi adds a distance penalty to the attention scores. Both extrapolate to unseen lengths better.
+  ALiBi adds a distance penalty to the attention scores; T5 adds a *learned* bias per head and per
+  bucket of relative distance. All three extrapolate to unseen lengths better.
+
+Images become tokens the same way words do (ViT): a patch embedding cuts the image into p×p patches
+and projects each to d_model; a learned [CLS] token is prepended and learned positions are added.
 """
 
 from __future__ import annotations
@@ -153,3 +157,82 @@ def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -
         q_pos, k_pos = q_pos.unsqueeze(0), k_pos.unsqueeze(0)
     dist = (q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)).abs().to(torch.float32)  # (B, Tq, Tk)
     return -slopes.view(1, -1, 1, 1) * dist.unsqueeze(1)  # (B, h, Tq, Tk)
+
+
+def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """T5's bucket of each relative distance (key position - query position).
+
+    Bidirectional (encoder): half of the buckets for keys before the query, half for keys after.
+    Causal (decoder): only keys at or before the query exist, so every bucket serves the past.
+    Within a direction, the first half of the buckets are exact distances 0, 1, 2, …; the second
+    half cover max_exact … max_distance in log-spaced steps, and every farther distance shares the
+    last bucket: nearby order matters precisely, far-away order only roughly.
+    """
+    bucket = torch.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (relative > 0).long() * num_buckets  # keys after the query: upper half
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)  # a future key (masked anyway) counts as distance 0
+    max_exact = num_buckets // 2
+    # log-spaced buckets: max_exact + log(d / max_exact) / log(max_distance / max_exact) · (rest)
+    far = max_exact + (torch.log(distance.float().clamp(min=1) / max_exact)
+                       / math.log(max_distance / max_exact) * (num_buckets - max_exact)).long()
+    far = far.clamp(max=num_buckets - 1)
+    return bucket + torch.where(distance < max_exact, distance, far)
+
+
+class RelativePositionBias(nn.Module):
+    """T5's relative positions: a learned (num_buckets × heads) table; the bias of query i, key j is
+    the row of bucket(j - i), one value per head, added to the attention scores.
+
+    One table per stack, computed once per forward and shared by all of the stack's layers (T5
+    stores it in the first layer); cross-attention gets no bias.
+    """
+
+    def __init__(self, n_heads: int, num_buckets: int, max_distance: int, bidirectional: bool):
+        super().__init__()
+        self.num_buckets, self.max_distance, self.bidirectional = num_buckets, max_distance, bidirectional
+        self.weight = nn.Parameter(torch.empty(num_buckets, n_heads))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """q_pos (Tq,) or (B, Tq), k_pos (Tk,) or (B, Tk) → bias (1|B, h, Tq, Tk), fp32."""
+        if q_pos.dim() == 1:
+            q_pos, k_pos = q_pos.unsqueeze(0), k_pos.unsqueeze(0)
+        relative = k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)  # (B, Tq, Tk): key - query
+        buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
+        return F.embedding(buckets, self.weight).permute(0, 3, 1, 2)  # (B, Tq, Tk, h) → (B, h, Tq, Tk)
+
+
+class PatchEmbedding(nn.Module):
+    """ViT's input (Dosovitskiy et al. 2021): image (B, C, H, W) → tokens (B, 1 + N, d).
+
+    A convolution with kernel = stride = patch size is exactly "cut into p×p patches, flatten each,
+    multiply by one (C·p·p × d) matrix". A learned [CLS] token is prepended (the classifier reads
+    its final state) and learned positions — one per patch, in raster order — are added.
+    """
+
+    def __init__(self, image_size: int, patch_size: int, n_channels: int, d_model: int,
+                 learned_positions: bool = True):
+        super().__init__()
+        self.image_size, self.patch_size, self.n_channels = image_size, patch_size, n_channels
+        self.n_patches = (image_size // patch_size) ** 2
+        self.proj = nn.Conv2d(n_channels, d_model, kernel_size=patch_size, stride=patch_size)
+        self.cls = nn.Parameter(torch.empty(1, 1, d_model))
+        nn.init.normal_(self.cls, std=0.02)
+        self.position = LearnedPositionalEmbedding(self.n_patches + 1, d_model) if learned_positions else None
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        want = (self.n_channels, self.image_size, self.image_size)
+        if images.dim() != 4 or tuple(images.shape[1:]) != want:
+            raise ValueError(f"expected images of shape (batch, {', '.join(map(str, want))}), "
+                             f"got {tuple(images.shape)}")
+        x = self.proj(images.to(self.proj.weight.dtype))  # (B, d, H/p, W/p)
+        x = x.flatten(2).transpose(1, 2)  # (B, N, d): patches in raster order
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, 1+N, d)
+        if self.position is not None:
+            x = x + self.position(torch.arange(x.shape[1], device=x.device)).to(x.dtype)
+        return x

@@ -15,7 +15,7 @@ from .attention import KVCache, MultiHeadAttention
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) · g — LayerNorm without the mean subtraction and the bias
-    (Zhang & Sennrich 2019; Llama). Computed in fp32 for stability, returned in x's dtype."""
+    (Zhang & Sennrich 2019; T5, Llama). Computed in fp32 for stability, returned in x's dtype."""
 
     def __init__(self, d_model: int, eps: float = 1e-6):
         super().__init__()
@@ -41,6 +41,7 @@ ACTIVATIONS = {
     "silu": F.silu,
     "swiglu": F.silu,  # gate activation of the GLU variants
     "geglu": F.gelu,
+    "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # T5 v1.1's gated-GELU ("gelu_new")
 }
 
 
@@ -55,7 +56,7 @@ class PositionwiseFeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu", bias: bool = True,
                  dropout: float = 0.0):
         super().__init__()
-        self.glu = activation in ("swiglu", "geglu")
+        self.glu = activation in ("swiglu", "geglu", "geglu_tanh")
         self.act = ACTIVATIONS[activation]
         self.w_in = nn.Linear(d_model, 2 * d_ff if self.glu else d_ff, bias=bias)
         self.w_out = nn.Linear(d_ff, d_model, bias=bias)
@@ -94,7 +95,8 @@ class SublayerConnection(nn.Module):
 
 def _attention(cfg: TransformerConfig, cross: bool = False) -> MultiHeadAttention:
     return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, bias=cfg.bias,
-                              dropout=cfg.attention_dropout, cross=cross)
+                              dropout=cfg.attention_dropout, cross=cross,
+                              scale=None if cfg.attention_scale else 1.0)
 
 
 def _ffn(cfg: TransformerConfig) -> PositionwiseFeedForward:

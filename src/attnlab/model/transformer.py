@@ -19,15 +19,15 @@ from torch import nn
 
 from ..config import TransformerConfig
 from .attention import KVCache, causal_mask, padding_mask
-from .embedding import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
-                        TokenEmbedding, alibi_bias, alibi_slopes)
+from .embedding import (LearnedPositionalEmbedding, PatchEmbedding, RelativePositionBias, RotaryEmbedding,
+                        SinusoidalPositionalEncoding, TokenEmbedding, alibi_bias, alibi_slopes)
 from .layers import DecoderLayer, EncoderLayer, make_norm
 
 
 class Embeddings(nn.Module):
     """Token embedding (×√d_model) + added positions (+ token types) → (norm) → dropout.
 
-    RoPE and ALiBi add nothing here: they act inside attention.
+    RoPE, ALiBi and T5's relative positions add nothing here: they act inside attention.
     """
 
     def __init__(self, cfg: TransformerConfig, token: TokenEmbedding):
@@ -54,11 +54,19 @@ class Embeddings(nn.Module):
         return self.dropout(x)
 
 
+def _relative_bias(cfg: TransformerConfig, bidirectional: bool) -> RelativePositionBias | None:
+    if cfg.positions != "t5":
+        return None
+    return RelativePositionBias(cfg.n_heads, cfg.rel_buckets, cfg.rel_max_distance, bidirectional)
+
+
 class Encoder(nn.Module):
-    """A stack of N encoder layers (+ the final norm of Pre-Norm models)."""
+    """A stack of N encoder layers (+ the final norm of Pre-Norm models) (+ T5's bidirectional
+    relative-position table, shared by its layers)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
+        self.relative_bias = _relative_bias(cfg, bidirectional=True)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.norm = make_norm(cfg) if cfg.has_final_norm else None
 
@@ -69,10 +77,12 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A stack of N decoder layers (with or without cross-attention) (+ final norm)."""
+    """A stack of N decoder layers (with or without cross-attention) (+ final norm) (+ T5's causal
+    relative-position table)."""
 
     def __init__(self, cfg: TransformerConfig, cross_attention: bool):
         super().__init__()
+        self.relative_bias = _relative_bias(cfg, bidirectional=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention) for _ in range(cfg.n_decoder_layers))
         self.norm = make_norm(cfg) if cfg.has_final_norm else None
 
@@ -118,12 +128,24 @@ class TransformerBase(nn.Module):
         else:
             self.alibi_slopes = None
 
-    def _attention_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype):
-        """RoPE (cos, sin) for the queries/keys and the ALiBi bias, once per forward. The angles are
-        computed in fp32 and cast once to the activations' dtype (not once per layer)."""
+    def _attention_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype,
+                             stack: nn.Module):
+        """RoPE (cos, sin) for the queries/keys and the ALiBi or T5 bias of ``stack``'s self-attention,
+        once per forward for all its layers. The angles are computed in fp32 and cast once to the
+        activations' dtype (not once per layer)."""
         rope = tuple(t.to(dtype) for t in self.rotary(q_pos)) if self.rotary is not None else None
-        bias = alibi_bias(self.alibi_slopes, q_pos, k_pos) if self.alibi_slopes is not None else None
+        bias = None
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes, q_pos, k_pos)
+        elif stack.relative_bias is not None:
+            bias = stack.relative_bias(q_pos, k_pos)
         return rope, bias
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output projection; T5 first rescales by d_model^-0.5 (its tied embedding has std 1)."""
+        if self.config.tied_output_scale:
+            h = h * self.config.d_model ** -0.5
+        return self.lm_head(h)
 
     def _make_output_projection(self, vocab_size: int, tied: TokenEmbedding | None) -> nn.Linear:
         cfg = self.config
@@ -141,6 +163,9 @@ class TransformerBase(nn.Module):
           embeddings N(0, d^-1/2) so that ×√d gives unit scale;
         * ``normal`` (GPT-2, BERT): N(0, init_std) everywhere, residual output projections scaled
           by 1/√(2·layers) so the residual stream's variance does not grow with depth;
+        * ``t5`` (Mesh TensorFlow): every linear N(0, fan_in^-1/2), except the queries, which get a
+          further 1/√d_k — T5 does not divide the scores by √d_k, the init does it once; token
+          embeddings N(0, 1);
         * ``torch``: PyTorch's defaults.
         """
         cfg = self.config
@@ -149,8 +174,15 @@ class TransformerBase(nn.Module):
         n_layers = max(cfg.n_encoder_layers if cfg.has_encoder else 0,
                        cfg.n_decoder_layers if cfg.has_decoder else 0)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                if cfg.init == "xavier":
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                if cfg.init == "t5":
+                    fan_in = module.weight[0].numel()
+                    nn.init.normal_(module.weight, std=fan_in ** -0.5)
+                    if name.endswith("self_attn.qkv_proj") or name.endswith("cross_attn.q_proj"):
+                        q = module.weight[: cfg.n_heads * cfg.head_dim]
+                        with torch.no_grad():
+                            q.mul_(cfg.head_dim ** -0.5)
+                elif cfg.init == "xavier":
                     nn.init.xavier_uniform_(module.weight)
                 else:
                     std = cfg.init_std
@@ -161,11 +193,14 @@ class TransformerBase(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, (nn.Embedding, LearnedPositionalEmbedding)):
                 nn.init.normal_(module.weight, std=cfg.init_std)
+            elif isinstance(module, RelativePositionBias):
+                nn.init.normal_(module.weight, std=cfg.d_model ** -0.5 if cfg.init == "t5" else cfg.init_std)
         # Token embeddings last: a tied output projection shares their Parameter, and the Linear
         # init above must not be the one that sticks.
+        token_std = {"xavier": cfg.d_model ** -0.5, "t5": 1.0}.get(cfg.init, cfg.init_std)
         for module in self.modules():
             if isinstance(module, TokenEmbedding):
-                nn.init.normal_(module.weight, std=cfg.d_model ** -0.5 if cfg.init == "xavier" else cfg.init_std)
+                nn.init.normal_(module.weight, std=token_std)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Shared (tied) parameters are counted once."""
@@ -228,7 +263,7 @@ class EncoderDecoder(TransformerBase):
         """src (B, S) ids; src_mask (B, S) bool, True for real tokens → memory (B, S, d)."""
         pos = torch.arange(src.shape[1], device=src.device)
         x = self.src_embed(src, pos)
-        rope, bias = self._attention_positions(pos, pos, x.dtype)
+        rope, bias = self._attention_positions(pos, pos, x.dtype, self.encoder)
         mask = padding_mask(src_mask) if src_mask is not None else None
         return self.encoder(x, mask, rope=rope, bias=bias)
 
@@ -243,12 +278,13 @@ class EncoderDecoder(TransformerBase):
         T = tgt.shape[1]
         pos = torch.arange(past, past + T, device=tgt.device)
         x = self.tgt_embed(tgt, pos)
-        rope, bias = self._attention_positions(pos, torch.arange(past + T, device=tgt.device), x.dtype)
+        rope, bias = self._attention_positions(pos, torch.arange(past + T, device=tgt.device), x.dtype,
+                                               self.decoder)
         mask, is_causal = decoder_self_mask(tgt_mask, T, past, tgt.device)
         memory_mask = padding_mask(src_mask) if src_mask is not None else None
         h = self.decoder(x, memory, mask=mask, is_causal=is_causal, memory_mask=memory_mask,
                          rope=rope, bias=bias, cache=cache)
-        return self.lm_head(h[:, -1] if last_only else h)
+        return self._logits(h[:, -1] if last_only else h)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
                 tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,10 +320,10 @@ class DecoderOnly(TransformerBase):
         if positions is None:
             positions = k_pos[..., past:]
         x = self.embed(ids, positions)
-        rope, bias = self._attention_positions(positions, k_pos, x.dtype)
+        rope, bias = self._attention_positions(positions, k_pos, x.dtype, self.decoder)
         mask, is_causal = decoder_self_mask(attention_mask, T, past, ids.device)
         h = self.decoder(x, mask=mask, is_causal=is_causal, rope=rope, bias=bias, cache=cache)
-        return self.lm_head(h[:, -1] if last_only else h)
+        return self._logits(h[:, -1] if last_only else h)
 
     def new_cache(self, capacity: int = 0) -> DecoderCache:
         return DecoderCache(self.config.n_decoder_layers, cross_attention=False, capacity=capacity)
@@ -295,16 +331,23 @@ class DecoderOnly(TransformerBase):
 
 class EncoderOnly(TransformerBase):
     """A bidirectional encoder (BERT): hidden states, a masked-LM head, pooling and an optional
-    classification head."""
+    classification head. With ``config.image_size`` it reads images (ViT): the token embedding is
+    replaced by a patch embedding, everything after it is the same encoder."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__(cfg)
         if cfg.family != "encoder-only":
             raise ValueError(f"EncoderOnly needs family='encoder-only', got {cfg.family!r}")
-        token = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.embed_scale)
-        self.embed = Embeddings(cfg, token)
+        if cfg.is_image_model:
+            self.embed = PatchEmbedding(cfg.image_size, cfg.patch_size, cfg.n_channels, cfg.d_model,
+                                        learned_positions=cfg.positions == "learned")
+            self.embed_dropout = nn.Dropout(cfg.dropout)
+            self.lm_head = None  # nothing to predict per patch
+        else:
+            token = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.embed_scale)
+            self.embed = Embeddings(cfg, token)
+            self.lm_head = self._make_output_projection(cfg.vocab_size, token if cfg.tie_output else None)
         self.encoder = Encoder(cfg)
-        self.lm_head = self._make_output_projection(cfg.vocab_size, token if cfg.tie_output else None)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler_activation else None
         self.classifier = (nn.Sequential(nn.Dropout(cfg.dropout), nn.Linear(cfg.d_model, cfg.n_classes))
                            if cfg.n_classes else None)
@@ -312,10 +355,15 @@ class EncoderOnly(TransformerBase):
 
     def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """ids (B, T) → hidden states (B, T, d)."""
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        x = self.embed(ids, pos, token_type_ids)
-        rope, bias = self._attention_positions(pos, pos, x.dtype)
+        """ids (B, T) → hidden states (B, T, d); for an image model, images (B, C, H, W) → (B, 1+N, d)
+        ([CLS] first, then the patches in raster order)."""
+        if self.config.is_image_model:
+            x = self.embed_dropout(self.embed(ids))
+            pos = torch.arange(x.shape[1], device=x.device)
+        else:
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            x = self.embed(ids, pos, token_type_ids)
+        rope, bias = self._attention_positions(pos, pos, x.dtype, self.encoder)
         mask = padding_mask(attention_mask) if attention_mask is not None else None
         return self.encoder(x, mask, rope=rope, bias=bias)
 
@@ -325,6 +373,8 @@ class EncoderOnly(TransformerBase):
         how = self.config.pooling
         if how == "cls":
             pooled = hidden[:, 0]
+        elif how == "mean" and self.config.is_image_model:
+            pooled = hidden[:, 1:].mean(1)  # the patches, not the [CLS] token
         elif how == "mean":
             if attention_mask is None:
                 pooled = hidden.mean(1)
@@ -347,7 +397,9 @@ class EncoderOnly(TransformerBase):
         return self.classifier(self.pool(self(ids, attention_mask, token_type_ids), attention_mask))
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        if self.lm_head is None:
+            raise ValueError("an image model has no masked-LM head")
+        return self._logits(hidden)
 
 
 MODEL_CLASSES = {"encoder-decoder": EncoderDecoder, "decoder-only": DecoderOnly, "encoder-only": EncoderOnly}
