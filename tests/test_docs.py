@@ -236,7 +236,9 @@ def check_command(doc: Doc, runner: Runner) -> subprocess.CompletedProcess | Non
     command = args[0]
     env = {}
     if command == "demo":
-        args = ["demo", "--minutes", "0.1", "--test-sentences", "10", "--out", "runs/demo"]
+        preset = args[args.index("--preset"):args.index("--preset") + 2] if "--preset" in args else []
+        out = args[args.index("--out") + 1] if "--out" in args else "runs/demo"
+        args = ["demo", "--minutes", "0.1", "--test-sentences", "10", "--out", out, *preset]
     else:
         args = args + BUDGET.get(command, [])
         if command == "train" and "--task" not in args and "--resume" not in args:
@@ -254,7 +256,7 @@ def check_command(doc: Doc, runner: Runner) -> subprocess.CompletedProcess | Non
         return res
     res = _ok(runner.call([ATTNLAB, *args], stdin=stdin, env=env), doc)
     if command == "demo":
-        assert "sacreBLEU" in res.stdout and (runner.ws / "runs/demo/attention.png").exists()
+        assert "sacreBLEU" in res.stdout and (runner.ws / out / "attention.png").exists()
     if command == "train":
         out = args[args.index("--out") + 1] if "--out" in args else args[args.index("--resume") + 1]
         assert (runner.ws / out / "model.safetensors").exists() and (runner.ws / out / "checkpoint_last.pt").exists()

@@ -129,6 +129,6 @@ def test_llama_rope_rmsnorm_swiglu_gqa(tied):
 
 
 def test_unsupported_architecture_is_named():
-    cfg = transformers.T5Config(vocab_size=99, d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8)
-    with pytest.raises(ValueError, match="unsupported architecture 't5'"):
-        from_hf(transformers.T5Model(cfg))
+    cfg = transformers.OPTConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4)
+    with pytest.raises(ValueError, match="unsupported architecture 'opt'"):
+        from_hf(transformers.OPTModel(cfg))

@@ -36,8 +36,9 @@ def _log(*parts) -> None:
 
 
 def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None = None, log=_log,
-             test_sentences: int | None = None, device: str = "auto") -> int:
-    """``test_sentences`` scores only the first N test sentences (a small budget for tests)."""
+             test_sentences: int | None = None, device: str = "auto", preset: str = "mt-small") -> int:
+    """``test_sentences`` scores only the first N test sentences (a small budget for tests);
+    ``preset`` is the encoder-decoder to train with the same recipe (e.g. t5-mini)."""
     import torch
 
     from .accel import bf16_native, cpu_isa, cpu_name, pick_device
@@ -47,24 +48,25 @@ def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None 
     bf16 = bf16_native(dev)  # the demo adapts to the machine: bf16 only where it is native
     where = f"{dev.type.upper()} {cpu_name()} ({cpu_isa()})" if dev.type == "cpu" else str(dev)
     log(f"== attnlab demo: English → Chinese on Tatoeba (CC-BY 2.0 FR, {corpus_dir()})")
-    log(f"   training {DEMO_RECIPE['preset']} for {minutes:g} minutes on {where}, "
+    log(f"   training {preset} for {minutes:g} minutes on {where}, "
         f"{'bf16 autocast (native)' if bf16 else 'fp32 (no native bf16 here)'}; model directory: {out_dir}")
-    result = _train(out_dir, minutes, dev, bf16, log)
+    result = _train(out_dir, minutes, dev, bf16, log, preset)
     if result["stop"] == "interrupted":
         log(f"== interrupted: checkpoint in {out_dir}; continue with attnlab train --resume {out_dir}")
         return 130
-    _evaluate(out_dir, dev, bf16, test_sentences, log, steps=result["steps"], minutes=minutes, device=where)
+    _evaluate(out_dir, dev, bf16, test_sentences, log, steps=result["steps"], minutes=minutes, device=where,
+              preset=preset)
     return 0
 
 
-def _train(out_dir: Path, minutes: float, dev, bf16: bool, log) -> dict:
+def _train(out_dir: Path, minutes: float, dev, bf16: bool, log, preset: str = "mt-small") -> dict:
     from .train import TrainArgs, Trainer
     corpus = corpus_dir()
     if (out_dir / "metrics.jsonl").exists():
         (out_dir / "metrics.jsonl").unlink()  # a fresh demo run
     args = TrainArgs(out=str(out_dir), train=str(corpus / "train.tsv.gz"), dev=str(corpus / "dev.tsv"),
                      minutes=minutes, eval_every=EVAL_EVERY, save_every=500, bf16=bf16, device=str(dev),
-                     **DEMO_RECIPE)
+                     **{**DEMO_RECIPE, "preset": preset})
     trainer = Trainer(args, log=log)
     trainer.setup()
     task = trainer.task

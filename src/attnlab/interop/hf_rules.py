@@ -226,10 +226,161 @@ def _llama_rules(cfg: TransformerConfig) -> list[Rule]:
     return r
 
 
-def _rules(cfg: TransformerConfig, arch: str) -> list[Rule]:
+def _t5_act(feed_forward_proj: str) -> str:
+    """T5's ``feed_forward_proj`` is ``ACT`` (wi → act → wo) or ``gated-ACT`` (act(wi_0 x) · wi_1 x → wo).
+    HF runs "gated-gelu" with gelu_new (the tanh approximation), as Mesh TensorFlow did."""
+    gated, _, act = feed_forward_proj.rpartition("-")
+    if not gated:
+        names = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                 "silu": "silu", "swish": "silu"}
+    elif gated == "gated":  # attnlab's GLU variants: no ReLU gate (ReGLU)
+        names = {"gelu": "geglu_tanh", "gelu_new": "geglu_tanh", "gelu_pytorch_tanh": "geglu_tanh",
+                 "silu": "swiglu", "swish": "swiglu"}
+    else:
+        names = {}
+    return names.get(act) or _unsupported(f"T5 feed_forward_proj {feed_forward_proj!r} (attnlab has "
+                                          "relu, gelu, gelu_new, silu, gated-gelu and gated-silu)")
+
+
+def _t5_act_back(activation: str) -> str:
+    return {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "silu",
+            "geglu_tanh": "gated-gelu", "swiglu": "gated-silu"}.get(activation) or _unsupported(
+        f"activation {activation!r} in a T5 model")
+
+
+def _t5_scales_output(c) -> bool:
+    """Whether HF multiplies the decoder output by d_model^-0.5 before lm_head. transformers < 5 does
+    it iff tie_word_embeddings; transformers 5 keeps that answer in ``scale_decoder_outputs`` and
+    always sets tie_word_embeddings=True (a checkpoint's own lm_head.weight then unties it)."""
+    scale = getattr(c, "scale_decoder_outputs", None)
+    return bool(c.tie_word_embeddings if scale is None else scale)
+
+
+def _t5_config(c, encoder_only: bool, own_head: bool) -> TransformerConfig:
+    """``own_head``: the weights hold an lm_head.weight that differs from the shared embedding (T5
+    v1.1). ``encoder_only``: T5EncoderModel, read as an attnlab encoder (hidden states only)."""
+    if c.d_kv * c.num_heads != c.d_model:
+        _unsupported(f"T5 with d_kv * num_heads = {c.d_kv} * {c.num_heads} != d_model = {c.d_model} "
+                     "(attnlab's heads split d_model)")
+    scale = _t5_scales_output(c) and not encoder_only
+    if own_head and scale:
+        _unsupported("T5 with its own lm_head.weight and the tied-embedding rescale (tie_word_embeddings)")
+    eos = c.eos_token_id[0] if isinstance(c.eos_token_id, (list, tuple)) else c.eos_token_id
+    pad = c.pad_token_id if c.pad_token_id is not None else 0
+    start = getattr(c, "decoder_start_token_id", None)  # T5 starts decoding from the pad token
+    return TransformerConfig(
+        family="encoder-only" if encoder_only else "encoder-decoder", vocab_size=c.vocab_size,
+        d_model=c.d_model, n_heads=c.num_heads, n_encoder_layers=c.num_layers,
+        n_decoder_layers=c.num_decoder_layers or c.num_layers, d_ff=c.d_ff, dropout=c.dropout_rate,
+        attention_dropout=c.dropout_rate, activation_dropout=c.dropout_rate,
+        activation=_t5_act(c.feed_forward_proj), norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
+        norm_placement="pre", final_norm=True, positions="t5", rel_buckets=c.relative_attention_num_buckets,
+        rel_max_distance=c.relative_attention_max_distance, attention_scale=False, embed_scale=False,
+        tie_output=not own_head, tied_output_scale=scale, share_embeddings=True, bias=False,
+        output_bias=False, init="t5", pad_id=pad, bos_id=pad if start is None else start,
+        eos_id=1 if eos is None else eos, unk_id=2 if c.vocab_size > 2 else 0, name="t5")
+
+
+def _t5_rules(cfg: TransformerConfig) -> list[Rule]:
+    """T5 numbers the sublayers of a block: layer.0 self-attention, (decoder) layer.1 cross-attention,
+    last the feed-forward; each with its own pre-norm ``layer_norm``. The relative-position table
+    lives in the first block's self-attention and serves the whole stack; no linear has a bias."""
+    r = [Rule(f"{'src_embed' if cfg.has_decoder else 'embed'}.token.weight", ("shared.weight",))]
+    stacks = [("encoder", cfg.n_encoder_layers)]
+    if cfg.has_decoder:
+        stacks.append(("decoder", cfg.n_decoder_layers))
+    for side, n_layers in stacks:
+        r.append(Rule(f"{side}.relative_bias.weight",
+                      (f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",)))
+        for i in range(n_layers):
+            a, b = f"{side}.layers.{i}", f"{side}.block.{i}.layer"
+            r += _cat(f"{a}.self_attn.qkv_proj", [f"{b}.0.SelfAttention.{p}" for p in "qkv"], False)
+            r += _lin(f"{a}.self_attn.out_proj", f"{b}.0.SelfAttention.o", False)
+            r += _norm(f"{a}.attn_residual.norm", f"{b}.0.layer_norm", False)
+            ff = 1
+            if side == "decoder":
+                ff = 2
+                r += _lin(f"{a}.cross_attn.q_proj", f"{b}.1.EncDecAttention.q", False)
+                r += _cat(f"{a}.cross_attn.kv_proj", [f"{b}.1.EncDecAttention.{p}" for p in "kv"], False)
+                r += _lin(f"{a}.cross_attn.out_proj", f"{b}.1.EncDecAttention.o", False)
+                r += _norm(f"{a}.cross_residual.norm", f"{b}.1.layer_norm", False)
+            d = f"{b}.{ff}.DenseReluDense"
+            if cfg.activation in ("geglu_tanh", "swiglu"):  # attnlab's w_in is [gate; up]
+                r += _cat(f"{a}.feed_forward.w_in", [f"{d}.wi_0", f"{d}.wi_1"], False)
+            else:
+                r += _lin(f"{a}.feed_forward.w_in", f"{d}.wi", False)
+            r += _lin(f"{a}.feed_forward.w_out", f"{d}.wo", False)
+            r += _norm(f"{a}.ffn_residual.norm", f"{b}.{ff}.layer_norm", False)
+        r += _norm(f"{side}.norm", f"{side}.final_layer_norm", False)
+    if cfg.has_decoder and not cfg.tie_output:
+        r.append(Rule("lm_head.weight", ("^lm_head.weight",)))
+    return r
+
+
+def _vit_config(c, n_classes: int, pooler: bool) -> TransformerConfig:
+    size, patch = c.image_size, c.patch_size
+    if isinstance(size, (list, tuple)):  # attnlab's images are square
+        size = size[0] if len(set(size)) == 1 else _unsupported(f"ViT image_size {size} (not square)")
+    if isinstance(patch, (list, tuple)):
+        patch = patch[0] if len(set(patch)) == 1 else _unsupported(f"ViT patch_size {patch} (not square)")
+    if not c.qkv_bias:  # attnlab's bias flag covers every linear; ViT's output projections keep theirs
+        _unsupported("ViT with qkv_bias=False")
+    if pooler and (getattr(c, "pooler_act", "tanh") != "tanh"
+                   or (getattr(c, "pooler_output_size", None) or c.hidden_size) != c.hidden_size):
+        _unsupported("a ViT pooler other than dense(hidden_size) + tanh")
+    return TransformerConfig(
+        family="encoder-only", vocab_size=1, image_size=size, patch_size=patch, n_channels=c.num_channels,
+        d_model=c.hidden_size, n_heads=c.num_attention_heads, n_encoder_layers=c.num_hidden_layers,
+        d_ff=c.intermediate_size, dropout=c.hidden_dropout_prob, attention_dropout=c.attention_probs_dropout_prob,
+        activation=_act(c.hidden_act), norm_placement="pre", final_norm=True, norm_eps=c.layer_norm_eps,
+        positions="learned", max_len=(size // patch) ** 2 + 1, embed_scale=False, tie_output=False, bias=True,
+        init="normal", init_std=c.initializer_range, n_classes=n_classes, pooling="cls",
+        pooler_activation=pooler, pad_id=0, bos_id=0, eos_id=0, unk_id=0, name="vit")
+
+
+# ViT's layer names on disk (every checkpoint; also transformers < 5 in memory) and in transformers
+# 5's modules, which rename the file's keys while loading and back while saving.
+_VIT_NAMES = {
+    "file": dict(layer="encoder.layer", q="attention.attention.query", k="attention.attention.key",
+                 v="attention.attention.value", o="attention.output.dense", fc1="intermediate.dense",
+                 fc2="output.dense"),
+    "modules": dict(layer="layers", q="attention.q_proj", k="attention.k_proj", v="attention.v_proj",
+                    o="attention.o_proj", fc1="mlp.fc1", fc2="mlp.fc2"),
+}
+
+
+def _vit_layout(keys) -> str:
+    return "file" if any(".encoder.layer." in k or k.startswith("encoder.layer.") for k in keys) else "modules"
+
+
+def _vit_rules(cfg: TransformerConfig, layout: str = "file") -> list[Rule]:
+    """A Pre-Norm BERT over patches: ``layernorm_before`` / ``layernorm_after`` are the two pre-norms,
+    ``layernorm`` the final one; the (1, N+1, d) position table is one row of ours."""
+    e, n = "embeddings", _VIT_NAMES[layout]
+    r = [Rule("embed.cls", (f"{e}.cls_token",)), Rule("embed.position.weight", (f"{e}.position_embeddings",), "row")]
+    r += _lin("embed.proj", f"{e}.patch_embeddings.projection")
+    for i in range(cfg.n_encoder_layers):
+        a, b = f"encoder.layers.{i}", f"{n['layer']}.{i}"
+        r += _cat(f"{a}.self_attn.qkv_proj", [f"{b}.{n[p]}" for p in "qkv"])
+        r += _lin(f"{a}.self_attn.out_proj", f"{b}.{n['o']}")
+        r += _norm(f"{a}.attn_residual.norm", f"{b}.layernorm_before")
+        r += _lin(f"{a}.feed_forward.w_in", f"{b}.{n['fc1']}") + _lin(f"{a}.feed_forward.w_out", f"{b}.{n['fc2']}")
+        r += _norm(f"{a}.ffn_residual.norm", f"{b}.layernorm_after")
+    r += _norm("encoder.norm", "layernorm")
+    if cfg.pooler_activation:
+        r += _lin("pooler", "pooler.dense")
+    if cfg.n_classes:
+        r += [Rule("classifier.1.weight", ("^classifier.weight",)), Rule("classifier.1.bias", ("^classifier.bias",))]
+    return r
+
+
+def _rules(cfg: TransformerConfig, arch: str, keys=()) -> list[Rule]:
+    """``keys``: the HF state dict's keys, where an architecture's names depend on the layout."""
     if arch in ("bart", "marian"):
         return _seq2seq_rules(cfg, arch)
-    return {"gpt2": _gpt2_rules, "bert": _bert_rules, "llama": _llama_rules}[arch](cfg)
+    if arch == "vit":
+        return _vit_rules(cfg, _vit_layout(keys))
+    return {"gpt2": _gpt2_rules, "bert": _bert_rules, "llama": _llama_rules, "t5": _t5_rules}[arch](cfg)
 
 
 def _prefixed(rules: list[Rule], prefix: str) -> list[Rule]:
