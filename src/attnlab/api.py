@@ -13,10 +13,12 @@ What each kind supports (a call it does not support raises ``ValueError`` saying
 | kind | family | calls |
 |---|---|---|
 | ``translation`` | encoder-decoder | ``translate``, ``score`` (sacreBLEU/chrF), ``attention`` |
+| (``--task span``) | encoder-decoder | loads as ``translation``: ``translate`` writes the spans behind sentinels |
 | ``lm`` | decoder-only | ``generate``, ``stream``, ``score`` (loss/perplexity) |
 | ``classify`` | encoder-only | ``classify``, ``embed``, ``score`` (accuracy/macro-F1) |
 | ``mlm`` | encoder-only | ``embed``, ``score`` (masked-token loss/accuracy) |
 | ``embedding`` | encoder-only | ``embed`` (MiniLM, sentence-transformers folders) |
+| ``image-classify`` | encoder-only (ViT) | ``classify`` (of images), ``score`` (accuracy/macro-F1) |
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from .generate.search import GenerationConfig
 
 KINDS = {"translation": "encoder-decoder", "lm": "decoder-only", "classify": "encoder-only",
-         "mlm": "encoder-only", "embedding": "encoder-only"}
+         "mlm": "encoder-only", "embedding": "encoder-only", "image-classify": "encoder-only"}
 
 
 @dataclass
@@ -57,18 +59,20 @@ class LoadedModel:
     def _need(self, *kinds: str, call: str) -> None:
         if self.kind not in kinds:
             use = {"translation": "translate", "lm": "generate", "classify": "classify", "mlm": "embed",
-                   "embedding": "embed"}[self.kind]
+                   "embedding": "embed", "image-classify": "classify"}[self.kind]
             raise ValueError(f"{self.name or 'this model'} is {self.config.family} (a {self.kind} model): {call} "
                              f"needs a {' or '.join(kinds)} model ({KINDS[kinds[0]]}); use attnlab {use}")
 
     # -- translation -------------------------------------------------------------------------------------
     def translate(self, texts: list[str], options: GenerationConfig | None = None, batch_size: int = 64,
                   nbest: bool = False):
-        """Translations in input order; with ``nbest``, lists of (text, score) best first."""
+        """Translations in input order; with ``nbest``, lists of (text, score) best first. A model trained
+        with ``--source-prefix`` gets its prefix before every text here (task.json keeps it)."""
         from .generate.translate import translate
         self._need("translation", call="translate")
-        return translate(self.module, self.tokenizer, self.tgt_tokenizer, texts, options, batch_size=batch_size,
-                         nbest=nbest)
+        prefix = self.task.get("source_prefix", "")
+        return translate(self.module, self.tokenizer, self.tgt_tokenizer, [prefix + t for t in texts], options,
+                         batch_size=batch_size, nbest=nbest)
 
     def attention(self, text: str, translation: str | None = None) -> dict:
         """Every attention map (encoder self-, decoder self-, cross-attention; per layer and head) for
@@ -77,7 +81,8 @@ class LoadedModel:
         self._need("translation", call="attention")
         translation = translation if translation is not None else self.translate([text])[0]
         ids = self.tgt_tokenizer.encode(translation) + [self.tgt_tokenizer.eos_id]
-        maps = attention_maps(self.module, self.tokenizer, self.tgt_tokenizer, text, ids)
+        source = self.task.get("source_prefix", "") + text  # what the encoder reads (translate adds it too)
+        maps = attention_maps(self.module, self.tokenizer, self.tgt_tokenizer, source, ids)
         maps["translation"] = translation
         return maps
 
@@ -147,7 +152,11 @@ class LoadedModel:
         return embed(Pretrained(self.module, self.tokenizer, normalize=self.normalize), texts, batch_size)
 
     def classify(self, texts: list[str]) -> list[tuple[str, float]]:
-        """(label, probability of that label) per text."""
+        """(label, probability of that label) per text; for an image classifier, per image: uint8
+        pixels (N, H, W[, C]) as a numpy array or tensor, or image file paths."""
+        if self.kind == "image-classify":
+            from .train.tasks.image_classify import classify_images
+            return classify_images(self.module, self.task, texts, self.device)
         from .data.encoding import encode_for_classifier
         from .evaluate.scoring import predict_classes
         self._need("classify", call="classify")
@@ -162,6 +171,7 @@ class LoadedModel:
         * translation: ``texts`` sources, ``references`` translations → sacreBLEU, chrF;
         * lm: ``texts`` one text (or lines) → loss, perplexity over consecutive blocks;
         * classify: ``texts`` with gold ``references`` labels → accuracy, macro-F1, confusion matrix;
+        * image-classify: images (as ``classify`` takes them) with gold labels → the same;
         * mlm: ``texts`` lines → masked-token loss and accuracy (fixed-seed masks).
         """
         if self.kind == "translation":
@@ -188,6 +198,9 @@ class LoadedModel:
                                  + (f"; unknown: {unknown[:5]}" if unknown else "") + ")")
             pred, _ = predict_classes(self.module, encode_for_classifier(self.tokenizer, texts, self.task), self.device)
             return classification_scores([labels.index(l) for l in references], pred, len(labels))
+        if self.kind == "image-classify":
+            from .train.tasks.image_classify import score_images
+            return score_images(self.module, self.task, texts, references, self.device)
         if self.kind == "mlm":
             from .data.encoding import mlm_rows
             from .evaluate.scoring import mlm_scores
@@ -215,14 +228,15 @@ def load(name_or_dir: str | Path, device: str | torch.device = "auto", bf16: boo
     accelerate_for_inference(p.model.to(dev).eval())
     task = _task_record(spec)
     family = p.model.config.family
-    if task:
-        kind = task["task"]
+    if task:  # span-corruption pretraining (T5) loads as a translator: translate fills <extra_id_N> gaps
+        kind = "translation" if task["task"] == "span" else task["task"]
     elif family == "encoder-decoder":
         kind = "translation"
     elif family == "decoder-only":
         kind = "lm"
     else:
-        kind = "classify" if p.model.config.n_classes else "embedding"
+        kind = ("image-classify" if p.model.config.is_image_model else "classify") if p.model.config.n_classes \
+            else "embedding"
     tgt = getattr(p, "tgt_tokenizer", None) or p.tokenizer
     return LoadedModel(p.model, p.tokenizer, tgt, kind, spec, task, p.chat_template, p.normalize)
 

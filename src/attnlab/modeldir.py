@@ -103,7 +103,7 @@ def load(directory: str | Path, device: str | torch.device = "cpu", need_tokeniz
     except TypeError as e:  # a field of the wrong kind reaches a check that cannot compare it
         raise ValueError(f"{d / 'config.json'}: {e}") from None
     separate = config.family == "encoder-decoder" and config.tgt_vocab_size is not None
-    if need_tokenizer:
+    if need_tokenizer and not config.is_image_model:  # a ViT reads pixels: it has no tokenizer
         for name in ("tokenizer.json", *(("tgt_tokenizer.json",) if separate else ())):
             if not (d / name).exists():
                 raise FileNotFoundError(f"{d}: no {name} (the model directory is incomplete: copy {name} "
@@ -146,7 +146,7 @@ def load_task_info(directory: str | Path) -> dict:
     info = read_json(p, "the task record of a model directory (damaged?)")
     if not isinstance(info.get("task"), str):
         raise ValueError(f"{p}: expected a JSON object with a \"task\" name")
-    if info["task"] == "classify" and not (isinstance(info.get("labels"), list) and info["labels"]):
+    if info["task"] in ("classify", "image-classify") and not (isinstance(info.get("labels"), list) and info["labels"]):
         raise ValueError(f"{p}: a classifier's task.json needs its \"labels\" list")
     return info
 

@@ -10,19 +10,21 @@ from .common import add_device, add_generation, add_model, generation_config, lo
     read_lines
 
 HELP = ("translation: sacreBLEU (zh tokenizer for Chinese, 13a otherwise) and chrF; lm: loss and perplexity; "
-        "classify: accuracy, macro-F1, confusion matrix; mlm: masked-token loss and accuracy")
+        "classify, image-classify: accuracy, macro-F1, confusion matrix; mlm: masked-token loss and accuracy")
 EXAMPLES = """attnlab evaluate --model runs/enzh --src test.en --ref test.zh --json
   attnlab evaluate --model runs/enzh --data test.tsv --beam 4
   attnlab evaluate --task lm --model runs/shakespeare --data val.txt
   attnlab evaluate --task classify --model runs/sst2 --data test.tsv --confusion-png cm.png
-  attnlab evaluate --task mlm --model runs/mlm --data held_out.txt"""
+  attnlab evaluate --task mlm --model runs/mlm --data held_out.txt
+  attnlab evaluate --task image-classify --model runs/vit --test mnist10k/dev.npz --json"""
 
 
 def arguments(p) -> None:
     from ..train.tasks import TASKS
     p.add_argument("--task", choices=list(TASKS), help="default: what the model was trained for")
     add_model(p)
-    p.add_argument("--data", help="a TSV of pairs (translation), a text file (lm, mlm), labelled rows (classify)")
+    p.add_argument("--data", "--test", dest="data", help="a TSV of pairs (translation), a text file (lm, mlm), "
+                   "labelled rows (classify), a .npz or a folder of class folders (image-classify)")
     p.add_argument("--src", help="translation: source sentences, one per line")
     p.add_argument("--ref", help="translation: reference translations, one per line")
     p.add_argument("--src-col", type=nonneg_int, default=0)
@@ -42,9 +44,11 @@ def run(args) -> int:
     task = load_task_info(args.model)["task"]
     if args.task and args.task != task:
         raise ValueError(f"--task {args.task}: {args.model} was trained for --task {task} (see its task.json)")
-    if task in ("lm", "mlm", "classify") and not args.data:
+    if task in ("lm", "mlm", "classify", "image-classify") and not args.data:
         raise ValueError(f"attnlab evaluate --task {task} needs --data FILE")
-    return {"translation": _translation, "lm": _lm, "mlm": _mlm, "classify": _classify}[task](args)
+    if task not in EVALUATORS:
+        raise ValueError(f"{args.model}: attnlab evaluate does not know --task {task} (see its task.json)")
+    return EVALUATORS[task](args)
 
 
 def _print(args, scores: dict, keys: tuple, line: str) -> int:
@@ -86,11 +90,29 @@ def _mlm(args) -> int:
 
 def _classify(args) -> int:
     from ..data.readers import read_labeled
-    from ..evaluate.classification import confusion_text, plot_confusion
     from ..modeldir import load_task_info
     labels = load_task_info(args.model)["labels"]
     data = read_labeled(args.data, args.label_col, args.text_col, known_labels=labels)
-    s = load(args).score(data.texts, data.labels)
+    return _classification_report(args, labels, load(args).score(data.texts, data.labels))
+
+
+def _image_classify(args) -> int:
+    from ..data.images import read_images
+    from ..modeldir import load_task_info
+    labels = load_task_info(args.model)["labels"]
+    data = read_images(args.data, known_labels=labels)
+    model = load(args)
+    cfg = model.config
+    if (data.channels, data.size) != (cfg.n_channels, (cfg.image_size, cfg.image_size)):
+        from ..data.readers import DataError
+        raise DataError(f"{args.data}: images are {data.size[1]}×{data.size[0]}×{data.channels}, but the model reads "
+                        f"{cfg.image_size}×{cfg.image_size}×{cfg.n_channels}")
+    return _classification_report(args, labels, model.score(data.images.permute(0, 2, 3, 1), data.labels))
+
+
+def _classification_report(args, labels: list[str], s: dict) -> int:
+    """Accuracy, macro-F1 and n (and the confusion matrix, as text and with --confusion-png drawn)."""
+    from ..evaluate.classification import confusion_text, plot_confusion
     if args.confusion_png:
         plot_confusion(s["confusion"], labels, args.confusion_png, f"{Path(args.data).name}: accuracy {s['accuracy']:.4f}")
     if args.json:
@@ -100,3 +122,7 @@ def _classify(args) -> int:
     if args.confusion_png:
         print(f"confusion matrix drawn in {args.confusion_png}")
     return 0
+
+
+EVALUATORS = {"translation": _translation, "lm": _lm, "mlm": _mlm, "classify": _classify,
+              "image-classify": _image_classify}

@@ -20,6 +20,7 @@ EXAMPLES = """attnlab train --train data/train.tsv.gz --dev data/dev.tsv --out r
   attnlab train --task classify --init minilm --train sst2/train.tsv.gz --out runs/sst2
   attnlab train --task mlm --train sentences.txt --out runs/mlm --max-len 64 --max-steps 4000 --bf16
   attnlab train --task classify --init runs/mlm --train sst2/train.tsv.gz --out runs/sst2-mlm
+  attnlab train --task span --train sentences.txt --out runs/t5 --max-len 64 --max-steps 4000 --bf16
   attnlab train --train train.de.gz,train.en.gz --dev val.de.gz,val.en.gz --preset mt-small \\
       --set d_model=384 --max-tokens 4000 --max-steps 20000
   attnlab train --resume runs/enzh --minutes 60     # continue exactly where it stopped
@@ -35,6 +36,10 @@ HELPS = {"train": "TSV file (src<TAB>tgt[<TAB>...], .gz ok) or SRC_FILE,TGT_FILE
          "preset": "model preset or config.json (default: the task's own, e.g. mt-small for translation)",
          "zh_simplified": "convert Traditional Chinese targets to Simplified (needs attnlab[zh])",
          "reverse": "swap the TSV columns' direction", "joint_vocab": "one BPE vocabulary for both sides",
+         "source_prefix": "text put before every source sentence, e.g. 'translate English to German: ' (T5); "
+                          "recorded in task.json, so attnlab translate adds it too",
+         "noise_density": "share of each example's tokens dropped into spans (T5: 0.15)",
+         "mean_span_length": "average length of a dropped span, in tokens (T5: 3)",
          "patience": "early stopping after N evaluations without improvement",
          "src_col": "TSV column of the source", "tgt_col": "TSV column of the target",
          "eval_sentences": "dev sentences translated for BLEU at each evaluation", "beam": "beam size for dev BLEU",
@@ -42,7 +47,10 @@ HELPS = {"train": "TSV file (src<TAB>tgt[<TAB>...], .gz ok) or SRC_FILE,TGT_FILE
          "eval_batches": "cap on validation blocks (0: the whole split)",
          "label_col": "column of the label (default: from the header)", "text_col": "column of the text",
          "init": "start from a pretrained encoder: minilm, or a model directory (e.g. of --task mlm)",
-         "batch_size": "lm: sequences per batch; classify, mlm: at most this many sentences per batch",
+         "batch_size": "lm: sequences per batch; classify, mlm: at most this many sentences per batch; "
+                       "image-classify: images per batch",
+         "augment": "shift: move each training image by a random offset (zero-padded); none: as they are",
+         "shift_pixels": "--augment shift: the largest offset, in pixels",
          "val_fraction": "without --dev: the share held out for validation",
          "reuse_tokenizer": "reuse the tokenizer already in --out (e.g. made by another process)"}
 

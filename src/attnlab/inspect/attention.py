@@ -1,4 +1,5 @@
-"""Attention maps as pictures: encoder self-, decoder self- and cross-attention, per layer and head."""
+"""Attention maps as pictures: encoder self-, decoder self- and cross-attention, per layer and head;
+for a ViT, where the [CLS] token looks over the image (each layer's own attention and its rollout)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,94 @@ def attention_maps(model, src_tok, tgt_tok, sentence: str, translation_ids: list
     maps["src_tokens"] = [src_tok.id_to_token(i) for i in src[0].tolist()]
     maps["tgt_in_tokens"] = [tgt_tok.id_to_token(i) for i in tgt[0].tolist()]
     return maps
+
+
+# -- images (ViT): where the [CLS] token looks ----------------------------------------------------------
+
+
+def attention_rollout(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Attention rollout (Abnar & Zuidema 2020): how much each input token flows into each position,
+    layer after layer, for a stack of self-attention layers.
+
+    One layer's raw weights say where a position looks *in that layer's input*, which after the first
+    layer is already a mix of tokens. Rollout follows the mixing down to the inputs: each layer's
+    weights are averaged over heads, the residual connection is accounted for by adding the identity
+    (the token keeps itself half: Â = ½·A + ½·I), rows are renormalised to sum to 1, and the layers
+    are multiplied, R_l = Â_l · R_{l−1} (R_0 = I).
+
+    weights: per layer (h, T, T) or (B, h, T, T) (rows: queries, columns: keys). Returns R_l for
+    every layer l (the rollout *up to* that layer), each (T, T) or (B, T, T), rows summing to 1.
+    """
+    rollouts = []
+    r = None
+    for w in weights:
+        a = w.float().mean(dim=-3)  # average the heads: (…, T, T)
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        a = 0.5 * a + 0.5 * eye
+        a = a / a.sum(dim=-1, keepdim=True)
+        r = a if r is None else a @ r
+        rollouts.append(r)
+    return rollouts
+
+
+def cls_patch_map(attention: torch.Tensor, grid: int) -> torch.Tensor:
+    """Row 0 ([CLS], as the query) of a (T, T) attention or rollout matrix over the T − 1 = grid² patch
+    keys, as the (grid, grid) picture of where the [CLS] token looks (patches in raster order)."""
+    return attention[..., 0, 1:].reshape(*attention.shape[:-2], grid, grid)
+
+
+@torch.no_grad()
+def image_attention_maps(model, image: torch.Tensor) -> dict:
+    """For one normalised image (1, C, H, W) of a ViT: the logits, every layer's raw [CLS]→patch
+    attention (heads averaged) and the rollout up to every layer, as (H/p, W/p) maps."""
+    grid = model.config.image_size // model.config.patch_size
+    with record_attention(model):
+        logits = model.classify(image)
+        weights = [l.self_attn.last_weights[0].float().cpu() for l in model.encoder.layers]  # (h, T, T) each
+    return {"logits": logits[0].float().cpu(),
+            "layers": [cls_patch_map(w.mean(0), grid) for w in weights],
+            "rollout": [cls_patch_map(r, grid) for r in attention_rollout(weights)]}
+
+
+def plot_image_attention(maps: dict, pixels: torch.Tensor, out: str, title: str = "") -> str:
+    """Where the [CLS] token looks, drawn over the image as one PNG at *out*: the top row is the
+    image, then the rollout up to each layer; the bottom row each layer's own [CLS]→patch attention.
+    ``pixels``: uint8 (C, H, W). Each map is scaled to its own maximum (the patterns, not the sizes,
+    are what compare across layers). Returns *out*."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img = pixels.permute(1, 2, 0).numpy()
+    grey = img.shape[2] == 1
+    img = img[:, :, 0] if grey else img
+    h, w = img.shape[:2]
+    n = len(maps["layers"])
+    rows = (("rollout", "rollout to layer"), ("layers", "layer"))
+    fig, axes = plt.subplots(2, n + 1, figsize=(1.9 * (n + 1), 4.9), squeeze=False)
+    for r, (key, label) in enumerate(rows):
+        ax = axes[r, 0]
+        if r == 0:
+            ax.imshow(img, cmap="gray" if grey else None, vmin=0, vmax=255)
+            ax.set_title("image", fontsize=8)
+        ax.axis("off")
+        for i, m in enumerate(maps[key]):
+            ax = axes[r, i + 1]
+            ax.imshow(img, cmap="gray" if grey else None, vmin=0, vmax=255)
+            ax.imshow((m / m.max().clamp(min=1e-12)).numpy(), cmap="inferno", alpha=0.6, vmin=0, vmax=1,
+                      extent=(-0.5, w - 0.5, h - 0.5, -0.5), interpolation="nearest")
+            ax.set_title(f"{label} {i}", fontsize=8)
+            ax.axis("off")
+    axes[1, 0].text(0.5, 0.5, "each layer's own\n[CLS] → patches\n(heads averaged)", ha="center", va="center",
+                    fontsize=8, transform=axes[1, 0].transAxes)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95 if title else 1), h_pad=1.5)
+    try:
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+    return out
 
 
 

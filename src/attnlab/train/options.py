@@ -17,11 +17,16 @@ class TrainArgs:
     tgt_col: int = 1
     reverse: bool = False
     zh_simplified: bool = False     # OpenCC Traditional → Simplified on the Chinese target
+    source_prefix: str = ""         # translation: T5's task prefix, before every source (kept in task.json)
     label_col: int | None = None    # classify: column of the label (default: found from the header)
     text_col: int | None = None     # classify: column of the text
     init: str = ""                  # classify: start from a pretrained encoder: minilm, or a model directory (e.g. --task mlm)
+    augment: str = "none"           # image-classify: none | shift (random translation of each training image)
+    shift_pixels: int = 2           # image-classify: --augment shift moves images by up to this many pixels
     tokenizer: str = "bpe"          # lm: char | bpe
     block_size: int = 256           # lm: tokens per training sequence
+    noise_density: float = 0.15     # span: share of each example's tokens dropped (T5: 0.15)
+    mean_span_length: float = 3.0   # span: average tokens per dropped span (T5: 3)
     batch_size: int = 32            # lm: sequences per batch; classify: max sentences per batch
     val_fraction: float = 0.1       # lm/classify without --dev: the held-out tail / seeded share
     eval_batches: int = 0           # lm: cap on validation blocks (0 = the whole split)
@@ -74,9 +79,11 @@ RANGES = {
     "batch_size": (">= 1", lambda v: v >= 1), "val_fraction": ("in (0, 1)", lambda v: 0 < v < 1),
     "eval_batches": (">= 0", lambda v: v >= 0), "src_col": (">= 0", lambda v: v >= 0),
     "tgt_col": (">= 0", lambda v: v >= 0), "label_col": (">= 0", lambda v: v >= 0),
-    "text_col": (">= 0", lambda v: v >= 0),
+    "text_col": (">= 0", lambda v: v >= 0), "shift_pixels": (">= 1", lambda v: v >= 1),
+    "noise_density": ("in (0, 1)", lambda v: 0 < v < 1), "mean_span_length": (">= 1", lambda v: v >= 1),
 }
-CHOICES = {"schedule": ("inverse_sqrt", "cosine", "constant"), "tokenizer": ("bpe", "char")}
+CHOICES = {"schedule": ("inverse_sqrt", "cosine", "constant"), "tokenizer": ("bpe", "char"),
+           "augment": ("none", "shift")}
 
 
 def check_train_options(values: dict, source: str) -> dict:

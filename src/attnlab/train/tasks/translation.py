@@ -8,9 +8,16 @@ import torch
 
 from ...config import TransformerConfig, load_config
 from ...data.batching import TokenBatchSampler, collate_pairs
-from ...data.readers import DataError, read_pairs, to_simplified
+from ...data.readers import DataError, Pairs, read_pairs, to_simplified
 from ...data.tokenizer import Tokenizer, train_tokenizer
 from .base import DataPosition, ListBatches, Task, label_smoothed_loss
+
+
+def with_source_prefix(pairs: Pairs, prefix: str) -> Pairs:
+    """T5's task prefix ("translate English to German: ") before every source sentence. It is added
+    once, as the pairs are read, so the tokenizer, training and dev BLEU all see the sentences the
+    model is trained on; task.json keeps it and ``attnlab.load(dir).translate`` adds it the same way."""
+    return Pairs([prefix + s for s in pairs.src], pairs.tgt, pairs.source) if prefix else pairs
 
 
 class TranslationTask(Task):
@@ -21,11 +28,14 @@ class TranslationTask(Task):
     family = "encoder-decoder"
     default_preset = "mt-small"
     default_label_smoothing = 0.1
-    options = ("src_col", "tgt_col", "reverse", "zh_simplified", "joint_vocab", "eval_sentences", "beam")
+    options = ("src_col", "tgt_col", "reverse", "zh_simplified", "joint_vocab", "eval_sentences", "beam",
+               "source_prefix")
 
     def prepare(self, args, out: Path, log) -> None:
-        train = read_pairs(args.train, args.src_col, args.tgt_col, args.reverse)
-        dev = read_pairs(args.dev, args.src_col, args.tgt_col, args.reverse) if args.dev else None
+        train = with_source_prefix(read_pairs(args.train, args.src_col, args.tgt_col, args.reverse),
+                                   args.source_prefix)
+        dev = with_source_prefix(read_pairs(args.dev, args.src_col, args.tgt_col, args.reverse),
+                                 args.source_prefix) if args.dev else None
         tgt_text = to_simplified(train.tgt) if args.zh_simplified else train.tgt
         if (out / "tokenizer.json").exists() and (args.resume or args.reuse_tokenizer):  # the saved vocabulary
             self.src_tok = Tokenizer.load(out / "tokenizer.json")
@@ -70,8 +80,11 @@ class TranslationTask(Task):
         return load_config(args.preset or self.default_preset, **over)
 
     def artifacts(self) -> dict:
+        task = {"task": "translation"}
+        if self.args.source_prefix:  # attnlab.load(dir).translate puts it before every input
+            task["source_prefix"] = self.args.source_prefix
         return {"tokenizer": self.src_tok, "tgt_tokenizer": None if self.src_tok is self.tgt_tok else self.tgt_tok,
-                "task": {"task": "translation"}}
+                "task": task}
 
     def batch(self, position: DataPosition):
         b = self.batches.next(position)
@@ -87,15 +100,17 @@ class TranslationTask(Task):
         from ...evaluate.metrics import corpus_scores
         from ...generate.search import GenerationConfig
         from ...generate.translate import translate
+        from ...model import eval_mode
         losses, tokens = 0.0, 0
-        for s in range(0, len(self.dev_src), 64):
-            batch = collate_pairs(self.dev_src[s: s + 64], self.dev_tgt[s: s + 64], 0)
-            src, src_mask, tgt_in, labels = (t.to(device) for t in batch)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = model(src, tgt_in, src_mask)
-            loss, n = label_smoothed_loss(logits, labels, 0, 0.0)
-            losses += loss.item() * n
-            tokens += n
+        with eval_mode(model):  # no dropout in the dev loss (generation below sets eval mode itself)
+            for s in range(0, len(self.dev_src), 64):
+                batch = collate_pairs(self.dev_src[s: s + 64], self.dev_tgt[s: s + 64], 0)
+                src, src_mask, tgt_in, labels = (t.to(device) for t in batch)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    logits = model(src, tgt_in, src_mask)
+                loss, n = label_smoothed_loss(logits, labels, 0, 0.0)
+                losses += loss.item() * n
+                tokens += n
         n = min(self.args.eval_sentences, len(self.dev_src_text))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             hyps = translate(model, self.src_tok, self.tgt_tok, self.dev_src_text[:n],
