@@ -154,6 +154,7 @@ def make_workspace(ws: Path) -> None:
     _write(ws / "sst2" / "train.tsv", labelled[:400])
     _write(ws / "sst2" / "dev.tsv", labelled[400:440])
     _write(ws / "test.tsv", labelled[440:480])  # classification rows; the translation commands use test.en/.zh
+    _write_digits(ws / "mnist10k")
     (ws / "notes.txt").write_bytes("hello\nworld\n".encode() + b"caf\xe9 au lait\n")  # not UTF-8 on line 3
     # A tiny random MarianMT folder stands in for Helsinki-NLP/opus-mt-en-de (no network here).
     from transformers import MarianConfig, MarianMTModel
@@ -161,6 +162,22 @@ def make_workspace(ws: Path) -> None:
                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
                        pad_token_id=299, decoder_start_token_id=299, eos_token_id=0)
     MarianMTModel(cfg).save_pretrained(ws / "opus-mt-tiny")
+
+
+def _write_digits(folder: Path) -> None:
+    """mnist10k/train.npz and dev.npz: the first real digits of ../shared/data/mnist10k where it exists,
+    else random 28×28 images (the commands run the same either way)."""
+    import numpy as np
+    folder.mkdir(parents=True, exist_ok=True)
+    real = ROOT.parent / "shared" / "data" / "mnist10k"
+    for split, n in (("train", 400), ("dev", 100)):
+        if (real / f"{split}.npz").exists():
+            d = np.load(real / f"{split}.npz")
+            images, labels = d["images"][:n], d["labels"][:n]
+        else:
+            rng = np.random.default_rng(0)
+            images, labels = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), np.arange(n) % 10
+        np.savez(folder / f"{split}.npz", images=images, labels=labels)
 
 
 class Runner:

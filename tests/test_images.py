@@ -303,6 +303,10 @@ def test_rollout_one_layer_rows_and_shapes(vit, data):
     hat = [0.5 * w.mean(1) + 0.5 * torch.eye(17) for w in layers]
     assert torch.allclose(rolled[1], hat[1] @ hat[0], atol=1e-6)  # later layers multiply on the left
     assert cls_patch_map(rolled[-1], 4).shape == (2, 4, 4)
+    # mean pooling: the picture is the mean of the patch rows (what the pooled output mixes)
+    r = rolled[-1][0]
+    assert torch.allclose(cls_patch_map(r, 4, "mean"), r[1:, 1:].mean(0).reshape(4, 4))
+    assert torch.allclose(cls_patch_map(r, 4, "cls"), r[0, 1:].reshape(4, 4))
     m = attnlab.load(vit, device="cpu")
     image = torch.from_numpy(np.load(data / "dev.npz")["images"][:1])[:, None]  # (1, 1, 16, 16) uint8
     maps = image_attention_maps(m.module, normalize(image, [0.5], [0.5]))
@@ -312,11 +316,14 @@ def test_rollout_one_layer_rows_and_shapes(vit, data):
 
 
 def test_params_and_shapes_of_vit_mnist(capsys):
+    from attnlab.config import get_preset
+    from attnlab.model import build_model
+    cfg = get_preset("vit-mnist")
     assert main(["params", "vit-mnist"]) == 0
-    assert "805,130" in capsys.readouterr().out
+    assert f"{build_model(cfg).num_parameters():,}" in capsys.readouterr().out  # the table's total is the model's
     assert main(["shapes", "vit-mnist"]) == 0
-    out = capsys.readouterr().out
-    assert "images (2, 1, 28, 28)" in out and "(2, 128, 7, 7)" in out and "(2, 50, 128)" in out
+    out, d = capsys.readouterr().out, cfg.d_model
+    assert "images (2, 1, 28, 28)" in out and f"(2, {d}, 7, 7)" in out and f"(2, 50, {d})" in out
     assert out.rstrip().endswith("(2, 10)")  # the classifier's logits
 
 

@@ -275,10 +275,16 @@ def small_preset(name, **changes):
 
 
 @pytest.mark.parametrize("untied", [False, True])
-def test_t5_preset_to_hf(untied):
-    """An attnlab-trained T5 (T5 init, positions='t5') is written as T5ForConditionalGeneration."""
+@pytest.mark.parametrize("storage", ["preset", "t5"])
+def test_t5_preset_to_hf(untied, storage):
+    """An attnlab-trained T5 (T5 init, positions='t5') is written as T5ForConditionalGeneration, whether
+    its embedding is stored T5's way (std 1, tied output × d^-0.5) or √d-scaled (embed_scale)."""
+    own = dict(embed_scale=False, tied_output_scale=not untied, attention_scale=False) if storage == "t5" else {}
     untie = dict(tie_output=False, tied_output_scale=False) if untied else {}
-    ours = small_preset("t5-mini", vocab_size=VOCAB, **untie)
+    ours = small_preset("t5-mini", vocab_size=VOCAB, **{**own, **untie})
+    with torch.no_grad():  # every weight away from its init, the embedding included
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
     hf = to_hf(ours)
     assert isinstance(hf, transformers.T5ForConditionalGeneration)
     assert hf.config.feed_forward_proj == "gated-gelu" and (hf.lm_head.weight is hf.shared.weight) != untied
@@ -290,7 +296,7 @@ def test_t5_preset_to_hf(untied):
 
 
 def test_vit_preset_to_hf():
-    ours = small_preset("vit-mnist")
+    ours = small_preset("vit-mnist", pooling="cls")  # HF's ViT classifies from [CLS]
     hf = to_hf(ours)
     assert isinstance(hf, transformers.ViTForImageClassification)
     pixels = torch.randn(2, 1, 28, 28)
@@ -298,7 +304,7 @@ def test_vit_preset_to_hf():
         assert (ours.classify(pixels) - hf(pixel_values=pixels).logits).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("name,change,message", [("t5-mini", dict(attention_scale=True), "attention_scale=False"),
+@pytest.mark.parametrize("name,change,message", [("t5-mini", dict(norm="layernorm"), "norm='rmsnorm'"),
                                                  ("t5-mini", dict(bias=True), "bias=False"),
                                                  ("vit-mnist", dict(norm_placement="post"), "norm_placement='pre'")])
 def test_to_hf_refuses_what_hf_cannot_compute(name, change, message):

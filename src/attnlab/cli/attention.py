@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .common import UsageError, add_device, add_model, load
 
-HELP = "draw encoder, decoder and cross-attention maps for one sentence, or a ViT's [CLS] attention over an image"
+HELP = "draw encoder, decoder and cross-attention maps for one sentence, or where a ViT looks in an image ([CLS] or pooled)"
 EXAMPLES = """attnlab attention --model runs/enzh "I love coding." --out attn.png
   attnlab attention --model runs/vit --image digit.png --out attn.png
   attnlab attention --model runs/vit --image 7 --data mnist10k/dev.npz --out attn.png   # the 8th image"""
@@ -73,5 +73,6 @@ def _image(args, model) -> int:
     label, prob = class_labels(model.module, model.task)[int(p.argmax())], float(p.max())
     said = f"{name}: predicted {label} ({prob:.2f})" + (f", labelled {gold}" if gold is not None else "")
     plot_image_attention(maps, pixels, args.out, said)
-    print(f"{said}\n[CLS] attention (rollout and per layer) written to {args.out}")
+    who = "[CLS]" if model.config.pooling == "cls" else "pooled (mean of patches)"
+    print(f"{said}\n{who} attention (rollout and per layer) written to {args.out}")
     return 0

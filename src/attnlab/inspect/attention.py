@@ -69,23 +69,26 @@ def attention_rollout(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return rollouts
 
 
-def cls_patch_map(attention: torch.Tensor, grid: int) -> torch.Tensor:
+def cls_patch_map(attention: torch.Tensor, grid: int, pooling: str = "cls") -> torch.Tensor:
     """Row 0 ([CLS], as the query) of a (T, T) attention or rollout matrix over the T − 1 = grid² patch
-    keys, as the (grid, grid) picture of where the [CLS] token looks (patches in raster order)."""
-    return attention[..., 0, 1:].reshape(*attention.shape[:-2], grid, grid)
+    keys, as the (grid, grid) picture of where the [CLS] token looks (patches in raster order).
+    ``pooling="mean"``: the classifier reads the mean of the patches' outputs, so the row drawn is
+    the mean of the patch rows — where the pooled representation looks."""
+    rows = attention[..., 0, 1:] if pooling == "cls" else attention[..., 1:, 1:].mean(dim=-2)
+    return rows.reshape(*attention.shape[:-2], grid, grid)
 
 
 @torch.no_grad()
 def image_attention_maps(model, image: torch.Tensor) -> dict:
     """For one normalised image (1, C, H, W) of a ViT: the logits, every layer's raw [CLS]→patch
     attention (heads averaged) and the rollout up to every layer, as (H/p, W/p) maps."""
-    grid = model.config.image_size // model.config.patch_size
+    grid, pooling = model.config.image_size // model.config.patch_size, model.config.pooling
     with record_attention(model):
         logits = model.classify(image)
         weights = [l.self_attn.last_weights[0].float().cpu() for l in model.encoder.layers]  # (h, T, T) each
-    return {"logits": logits[0].float().cpu(),
-            "layers": [cls_patch_map(w.mean(0), grid) for w in weights],
-            "rollout": [cls_patch_map(r, grid) for r in attention_rollout(weights)]}
+    return {"logits": logits[0].float().cpu(), "pooling": pooling,
+            "layers": [cls_patch_map(w.mean(0), grid, pooling) for w in weights],
+            "rollout": [cls_patch_map(r, grid, pooling) for r in attention_rollout(weights)]}
 
 
 def plot_image_attention(maps: dict, pixels: torch.Tensor, out: str, title: str = "") -> str:
@@ -117,7 +120,8 @@ def plot_image_attention(maps: dict, pixels: torch.Tensor, out: str, title: str 
                       extent=(-0.5, w - 0.5, h - 0.5, -0.5), interpolation="nearest")
             ax.set_title(f"{label} {i}", fontsize=8)
             ax.axis("off")
-    axes[1, 0].text(0.5, 0.5, "each layer's own\n[CLS] → patches\n(heads averaged)", ha="center", va="center",
+    query = "[CLS]" if maps.get("pooling", "cls") == "cls" else "mean of patches"
+    axes[1, 0].text(0.5, 0.5, f"each layer's own\n{query} → patches\n(heads averaged)", ha="center", va="center",
                     fontsize=8, transform=axes[1, 0].transAxes)
     if title:
         fig.suptitle(title, fontsize=10)

@@ -179,6 +179,9 @@ def to_hf(model: TransformerBase, architecture: str | None = None):
     tf = _transformers()
     cfg = model.config
     arch = architecture or infer_architecture(cfg)
+    ours = model.state_dict()
+    if arch == "t5" and (cfg.embed_scale or cfg.attention_scale):
+        cfg, ours = _t5_canonical(cfg, ours)
     c = _hf_config(tf, cfg, arch)
     if arch == "bart":
         hf = tf.BartForConditionalGeneration(c)
@@ -207,7 +210,6 @@ def to_hf(model: TransformerBase, architecture: str | None = None):
     prefix = hf.base_model_prefix + "."
     if not any(k.startswith(prefix) for k in hf.state_dict()):
         prefix = ""
-    ours = model.state_dict()
     target = hf.state_dict()
     new = {}
     for rule in _prefixed(_rules(cfg, arch, target.keys()), prefix):
@@ -282,6 +284,30 @@ def _hf_config(tf, cfg: TransformerConfig, arch: str):
                           max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps,
                           tie_word_embeddings=cfg.tie_output, attention_bias=cfg.bias, mlp_bias=cfg.bias,
                           rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, **common)
+
+
+def _t5_canonical(cfg: TransformerConfig, sd: dict) -> tuple[TransformerConfig, dict]:
+    """A T5 stored the way ``t5-mini`` trains with AdamW → T5's own storage, the same function:
+
+    * ``embed_scale=True`` (embedding E' = E/√d, ×√d on the way in, no output rescale) → E = √d·E',
+      not scaled in, a tied output rescaled by d^-0.5: √d·E'[id] = E[id] and h·E'ᵀ = h·Eᵀ·d^-0.5;
+    * ``attention_scale=True`` (scores q'·k/√d_k) → W_q = W_q'/√d_k and unscaled scores q·k."""
+    if cfg.embed_scale and cfg.tied_output_scale:
+        raise ValueError("to_hf('t5'): embed_scale=True with tied_output_scale=True is not a T5")
+    sd = dict(sd)
+    if cfg.embed_scale:
+        root = cfg.d_model ** 0.5
+        for k in [k for k in sd if k.endswith("embed.token.weight") or (k == "lm_head.weight" and cfg.tie_output)]:
+            sd[k] = sd[k] * root  # a tied lm_head is the same tensor, listed twice
+        cfg = cfg.replace(embed_scale=False, tied_output_scale=cfg.tie_output)
+    if cfg.attention_scale:
+        q_rows, inv = cfg.n_heads * cfg.head_dim, cfg.head_dim ** -0.5
+        for k in [k for k in sd if k.endswith(("self_attn.qkv_proj.weight", "cross_attn.q_proj.weight"))]:
+            w = sd[k].clone()
+            w[:q_rows] *= inv
+            sd[k] = w
+        cfg = cfg.replace(attention_scale=False)
+    return cfg, sd
 
 
 def _check(arch: str, requirements) -> None:

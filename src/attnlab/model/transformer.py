@@ -178,7 +178,8 @@ class TransformerBase(nn.Module):
                 if cfg.init == "t5":
                     fan_in = module.weight[0].numel()
                     nn.init.normal_(module.weight, std=fan_in ** -0.5)
-                    if name.endswith("self_attn.qkv_proj") or name.endswith("cross_attn.q_proj"):
+                    is_query = name.endswith("self_attn.qkv_proj") or name.endswith("cross_attn.q_proj")
+                    if is_query and not cfg.attention_scale:  # scaled scores: the 1/√d_k is in the forward
                         q = module.weight[: cfg.n_heads * cfg.head_dim]
                         with torch.no_grad():
                             q.mul_(cfg.head_dim ** -0.5)
@@ -197,7 +198,10 @@ class TransformerBase(nn.Module):
                 nn.init.normal_(module.weight, std=cfg.d_model ** -0.5 if cfg.init == "t5" else cfg.init_std)
         # Token embeddings last: a tied output projection shares their Parameter, and the Linear
         # init above must not be the one that sticks.
-        token_std = {"xavier": cfg.d_model ** -0.5, "t5": 1.0}.get(cfg.init, cfg.init_std)
+        # T5's embedding has std 1 (its input is not scaled; its tied output is scaled by d^-0.5). With
+        # embed_scale the same function is stored /√d: std d^-0.5, ×√d in, no rescale out.
+        t5_std = cfg.d_model ** -0.5 if cfg.embed_scale else 1.0
+        token_std = {"xavier": cfg.d_model ** -0.5, "t5": t5_std}.get(cfg.init, cfg.init_std)
         for module in self.modules():
             if isinstance(module, TokenEmbedding):
                 nn.init.normal_(module.weight, std=token_std)
