@@ -44,6 +44,14 @@ def add_device(p, default: str = "auto") -> None:
                                                      f"(default {default})")
 
 
+def add_quantize(p) -> None:
+    from ..quant import KINDS
+    p.add_argument("--quantize", choices=KINDS, default=None,
+                   help="store the linear layers' weights in 8 bits (int8: per-channel scales, ~0.4%% weight "
+                        "error) or 4 bits (int4: groups of 32, the output layer at int8): less memory and "
+                        "faster batch-1 decoding on CPU, at some loss of quality (default: the weights as loaded)")
+
+
 def add_inputs(p, what: str) -> None:
     p.add_argument("--input", help=f"file with one {what} per line (default: stdin)")
     p.add_argument("--text", help=f"just this one {what}")
@@ -101,6 +109,7 @@ def read_lines(path: str | None, what: str) -> list[str]:
 
 
 def load(args, bf16: bool = False):
-    """``attnlab.load`` of ``--model`` on ``--device``."""
+    """``attnlab.load`` of ``--model`` on ``--device`` (``--quantize``d where the command has the flag)."""
     from ..api import load
-    return load(args.model, getattr(args, "device", "auto") or "auto", bf16=bf16)
+    return load(args.model, getattr(args, "device", "auto") or "auto", bf16=bf16,
+                quantize=getattr(args, "quantize", None))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import add_device, add_inputs, add_model, load, positive_int, read_inputs
+from .common import add_device, add_inputs, add_model, add_quantize, load, positive_int, read_inputs
 
 HELP = "sentence embeddings (mean-pooled, L2-normalised for minilm) as .npy or JSON lines"
 EXAMPLES = """echo "A man is eating food." | attnlab embed --model minilm
@@ -18,6 +18,7 @@ def arguments(p) -> None:
     p.add_argument("--out", help="output .npy (matrix) or .jsonl (default: JSON lines on stdout)")
     p.add_argument("--batch-size", type=positive_int, default=32)
     add_device(p)
+    add_quantize(p)
 
 
 def run(args) -> int:

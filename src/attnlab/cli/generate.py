@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_device, add_generation, add_model, generation_config, load, read_lines
+from .common import add_device, add_generation, add_model, add_quantize, generation_config, load, read_lines
 
 HELP = "generate text with a decoder-only model (smollm2, a .gguf, or a trained LM)"
 EXAMPLES = """attnlab generate --model smollm2 --chat --prompt "What is attention?" --stream
@@ -19,6 +19,7 @@ def arguments(p) -> None:
     p.add_argument("--bf16", action="store_true",
                    help="run the model in bfloat16 where it is native (fp32 on CPUs that would emulate it)")
     add_device(p)
+    add_quantize(p)
     add_generation(p, sampling=True)
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .common import add_device, add_generation, add_inputs, add_model, generation_config, load, nonneg_int, \
-    positive_int, read_inputs
+from .common import add_device, add_generation, add_inputs, add_model, add_quantize, generation_config, load, \
+    nonneg_int, positive_int, read_inputs
 
 HELP = "translate sentences (stdin, --input file or --text) with a trained model"
 EXAMPLES = """echo "I love coding." | attnlab translate --model runs/enzh
@@ -17,6 +17,7 @@ def arguments(p) -> None:
     p.add_argument("--nbest", type=nonneg_int, default=0, help="print the N best hypotheses with scores (beam)")
     p.add_argument("--batch-size", type=positive_int, default=64)
     add_device(p)
+    add_quantize(p)
     add_generation(p)
 
 

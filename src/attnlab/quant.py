@@ -1,0 +1,343 @@
+"""Weight-only int8 / int4 quantisation of any attnlab model, for inference.
+
+    from attnlab.quant import quantize_model
+    quantize_model(model, "int8")            # every nn.Linear → Int8Linear (in place)
+    quantize_model(model, "int4", group_size=32)
+    attnlab.load("smollm2", quantize="int4")  # the same, at load; CLI: --quantize int4
+
+Why weight-only: decoding one token at batch 1 reads every weight once and does two flops per weight,
+so it is limited by memory bandwidth, not arithmetic. int8 weights are 4× fewer bytes than fp32 (2×
+fewer than bf16), int4 8× (4×): up to that much less time per token where a kernel streams them at
+bandwidth. The activations stay floating point, so nothing needs calibration data.
+
+* **int8**, one symmetric scale per output channel (row of W): ``scale[n] = max_k |W[n, k]| / 127``,
+  ``q = round(W / scale)``. Each weight is off by at most ``scale / 2``: 1/254 ≈ 0.4% of its row's
+  largest |weight|. A scale per row (not one per matrix) keeps a row of small weights from being rounded away
+  by another row's outlier.
+* **int4**, asymmetric per group of ``group_size`` consecutive inputs of a row: 16 levels from the
+  group's minimum to its maximum, ``W ≈ (q - 8) · scale + zero`` with ``q`` in 0…15 (the layout of
+  PyTorch's int4 kernel, and exactly llama.cpp's Q4_1 for groups of 32). Error ≤ (max - min) / 30 per
+  weight; the small groups are what keep it usable.
+
+Every ``nn.Linear`` is replaced, including the output projection (``lm_head``), which int4 keeps at
+int8: the logits are the most sensitive product (llama.cpp's Q4 files keep their output matrix at 6-8
+bits too); on SmolLM2 an int4 head costs +4.9% perplexity, an int8 one nothing measurable, for 14 MB.
+A tied ``lm_head`` shares its (V × d) Parameter with the token embedding: the quantised head keeps its
+own int8/int4 copy and the embedding keeps the float Parameter, so the embedding lookup is exactly
+what it was.
+
+Kernels, and when they are used (everything else is the *eager* path: dequantise the weight, then
+``F.linear`` — correct on any device, dtype and shape, and the path ``ATTNLAB_QUANT_KERNELS=0``
+forces):
+
+* PyTorch's CPU kernels ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (what torchao
+  and gpt-fast use). Whether each works here is *probed* once per (kind, dtype): a small matmul
+  against the eager result; a missing op (older PyTorch) or a wrong answer means eager, with one
+  debug line (``logging.getLogger("attnlab")``).
+* On x86 they are vectorised (AVX2 / AVX-512) for **bf16 activations only**; fp32 and fp16 take a
+  scalar loop, measured 10-60× slower than ``F.linear``. So fp32 activations reach the kernel as bf16
+  and come back fp32: inputs and outputs rounded to bf16 (≤ 2^-8 relative each, the order of int8's
+  own weight error; the eager path stays fp32). Elsewhere (ARM's NEON covers all three dtypes) the
+  activations' own dtype is used.
+* Only for a few rows at a time (decoding: one row per sequence and beam). A prompt or a
+  perplexity block is compute-bound: there, dequantising once and one dense matmul are faster
+  (measured crossover on AVX-512: about 12 rows for int8, about 128 for int4).
+* The int8 kernel loads 16 inputs at a time with *aligned* loads: it runs only for
+  ``in_features % 16 == 0`` and 32-byte-aligned inputs (a misaligned input is copied first); other
+  shapes would read past the row or crash, which no probe can catch. The int4 kernel needs
+  ``out_features % 16 == 0``, ``in_features % group_size == 0`` and a group size of 32/64/128/256.
+* Not under ``torch.compile`` (the eager path is traced instead), not where gradients are needed,
+  not on GPU.
+
+The int4 kernel wants its own packed weight layout; it is made on first use and kept next to the
+portable one (0.5 byte per weight each), like ``accel.PackedLinear``'s cache.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .accel import _env_off, _once
+
+KINDS = ("int8", "int4")
+INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+# More rows than this: dequantise once + dense matmul beats the kernel (see the module docstring).
+KERNEL_MAX_ROWS = {"int8": 8, "int4": 64}
+
+
+def check_kind(kind) -> str | None:
+    """``None`` (no quantisation) or one of KINDS; anything else is a ValueError naming the choices."""
+    if kind is None or kind in KINDS:
+        return kind
+    raise ValueError(f"quantize={kind!r}: expected one of {', '.join(KINDS)} (or None for no quantisation)")
+
+
+# -- which kernel runs ----------------------------------------------------------------------------------
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype the CPU kernels get for activations of ``dtype``: bf16 on x86 (their only
+    vectorised path there), the dtype itself elsewhere."""
+    return torch.bfloat16 if _x86() else dtype
+
+
+_probed: dict = {}
+
+
+def quant_kernels_ok(kind: str, dtype: torch.dtype) -> bool:
+    """Whether the ``kind`` kernel may run with ``dtype`` activations on this CPU (probed once per
+    process; ``ATTNLAB_QUANT_KERNELS=0`` says no). One dict look-up per call once known."""
+    key = (kind, dtype, os.environ.get("ATTNLAB_QUANT_KERNELS"))
+    ok = _probed.get(key)
+    if ok is None:
+        if _env_off("ATTNLAB_QUANT_KERNELS"):
+            _once("quant-off", "quantised linears: kernels off (ATTNLAB_QUANT_KERNELS=0): dequantise + F.linear")
+            ok = False
+        else:
+            ok = _probe(kind, dtype)
+        _probed[key] = ok
+    return ok
+
+
+def _probe(kind: str, dtype: torch.dtype) -> bool:
+    """A (3 × 64) @ (64 × 32) product through the kernel against the eager path in fp32."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        lin = nn.Linear(64, 32, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(32, 64, generator=g))
+        layer = Int8Linear.from_linear(lin) if kind == "int8" else Int4Linear.from_linear(lin, 32)
+        x = torch.randn(3, 64, generator=g).to(dtype)
+        out = layer._kernel(x).float()
+        ref = layer._eager(x.float())
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        ok = bool(torch.allclose(out, ref, atol=tol * ref.abs().max().item(), rtol=tol))
+        if not ok:
+            _once(f"quant-probe-{kind}-{dtype}", f"the {kind} kernel gives wrong {dtype} results here: dequantise + F.linear")
+        return ok
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError) as e:  # AttributeError: no such op
+        _once(f"quant-probe-{kind}-{dtype}",
+              f"no {kind} {dtype} kernel here ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+              "dequantise + F.linear")
+        return False
+
+
+# -- the layers -----------------------------------------------------------------------------------------------
+
+
+class _QuantLinear(nn.Module):
+    """What both layers share: the bias, the choice of path, and a cache of kernel-ready tensors."""
+
+    kind = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._derived: dict = {}  # key → (stamp of the buffers it came from, tensor)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self._kernel_dtype(x)
+        if dtype is None:
+            return self._eager(x)
+        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        return self._kernel(x.to(dtype)).to(out_dtype)
+
+    def _kernel_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype to run the kernel in, or None for the eager path."""
+        if not self.kernel_shape_ok or x.device.type != "cpu" or x.numel() == 0 or torch.compiler.is_compiling():
+            return None
+        if x.numel() // x.shape[-1] > KERNEL_MAX_ROWS[self.kind] or (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        dtype = kernel_dtype(dtype)
+        return dtype if quant_kernels_ok(self.kind, dtype) else None
+
+    def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _cached(self, key, make):
+        """A tensor derived from the buffers (a dtype copy, a packed layout), made once and made again
+        whenever a buffer changes (``.to()``, ``load_state_dict``: new storage or a new version)."""
+        try:
+            stamp = tuple((t.data_ptr(), t._version, t.dtype) for t in self._buffers.values())
+        except RuntimeError:  # inference-mode tensors have no version counter: no cache
+            return make()
+        hit = self._derived.get(key)
+        if hit is None or hit[0] != stamp:
+            hit = self._derived[key] = (stamp, make())
+        return hit[1]
+
+
+class Int8Linear(_QuantLinear):
+    """``y = x Wᵀ + b`` with W stored as int8 and one scale per output channel: ``W ≈ weight_int8 ·
+    scales[:, None]``. Buffers: ``weight_int8`` (N, K) int8, ``scales`` (N,) in the model's float dtype."""
+
+    kind = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8))  # (N, K)
+        self.register_buffer("scales", torch.ones(out_features, dtype=dtype))  # (N,)
+        self.kernel_shape_ok = in_features % 16 == 0  # the kernel reads 16 inputs per aligned load
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        w = linear.weight.detach().float()  # (N, K)
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,): the row's largest weight → ±127
+        layer = cls(linear.in_features, linear.out_features, linear.bias, linear.weight.dtype).to(w.device)
+        layer.weight_int8.copy_(torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        layer.scales.copy_(scales.to(linear.weight.dtype))
+        return layer
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight (N, K) these int8 values and scales stand for."""
+        return self.weight_int8.to(dtype) * self.scales.to(dtype)[:, None]
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        # x Wᵀ = (x qᵀ) · scales: the scales apply to the (…, N) output, cheaper than scaling the (N, K)
+        # weight; int8 values are exact in bf16 and fp16, so the cast loses nothing.
+        out = F.linear(x, self.weight_int8.to(x.dtype))  # (…, N); autocast may make it bf16
+        return self._add_bias(out * self.scales.to(out.dtype))
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (M, K): the kernel takes 2-D inputs
+        if not x2.is_contiguous() or x2.data_ptr() % 32:  # e.g. a view into the middle of a tensor
+            x2 = x2.clone(memory_format=torch.contiguous_format)  # new storage: dense, 64-byte aligned
+        scales = self.scales if self.scales.dtype == x.dtype else self._cached(("scales", x.dtype),
+                                                                                lambda: self.scales.to(x.dtype))
+        w = self.weight_int8  # (N, K); its rows are read with aligned loads too (e.g. not from an mmap)
+        if w.data_ptr() % 32 or not w.is_contiguous():
+            w = self._cached("aligned", lambda: self.weight_int8.clone(memory_format=torch.contiguous_format))
+        out = torch.ops.aten._weight_int8pack_mm(x2, w, scales)  # (M, N)
+        return self._add_bias(out.reshape(*x.shape[:-1], self.out_features))
+
+
+class Int4Linear(_QuantLinear):
+    """``y = x Wᵀ + b`` with W stored as 4-bit values, asymmetric per group of ``group_size`` inputs:
+    ``W[n, k] ≈ (q[n, k] - 8) · scale[g, n] + zero[g, n]``, ``g = k // group_size``.
+
+    Buffers: ``weight_int4`` (N, Kp/2) uint8, two values per byte (input 2j in the low nibble, 2j+1 in
+    the high one); ``scales_and_zeros`` (Kp/group_size, N, 2) float, [..., 0] the scale and [..., 1]
+    the zero, the layout ``_weight_int4pack_mm_for_cpu`` takes. Kp is K rounded up to whole groups
+    (the padding weights are 0)."""
+
+    kind = "int4"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None,
+                 group_size: int = 32, dtype: torch.dtype = torch.float32):
+        super().__init__(in_features, out_features, bias)
+        if group_size < 2 or group_size % 2:
+            raise ValueError(f"group_size={group_size}: must be an even number >= 2 (32 is usual)")
+        self.group_size = group_size
+        groups = -(-in_features // group_size)
+        self.register_buffer("weight_int4", torch.zeros(out_features, groups * group_size // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros", torch.zeros(groups, out_features, 2, dtype=dtype))
+        self.kernel_shape_ok = (out_features % 16 == 0 and in_features % group_size == 0
+                                and group_size in INT4_KERNEL_GROUP_SIZES)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}"
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> "Int4Linear":
+        layer = cls(linear.in_features, linear.out_features, linear.bias, group_size, linear.weight.dtype)
+        layer = layer.to(linear.weight.device)
+        w = linear.weight.detach().float()  # (N, K)
+        N, K = w.shape
+        w = F.pad(w, (0, layer.weight_int4.shape[1] * 2 - K))  # (N, Kp): whole groups
+        g = w.view(N, -1, group_size)  # (N, G, gs)
+        lo, hi = g.amin(-1), g.amax(-1)  # (N, G)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)  # 16 levels from the group's min to its max
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(N, -1)
+        zero = lo + 8 * scale  # the kernel computes (q - 8)·scale + zero; q = 0 ↔ lo
+        layer.set_int4(q, scale.t(), zero.t())
+        return layer
+
+    @torch.no_grad()
+    def set_int4(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Fill the layer from 4-bit values ``q`` (N, Kp) in 0…15 and per-group ``scale``, ``zero``
+        (G, N), meaning ``W ≈ (q - 8) · scale + zero`` (also how a GGUF Q4_1 block is brought in)."""
+        self.weight_int4.copy_(q[:, 0::2] | (q[:, 1::2] << 4))
+        self.scales_and_zeros.copy_(torch.stack([scale, zero], dim=-1))
+
+    def unpacked(self) -> torch.Tensor:
+        """The 4-bit values as (N, Kp) uint8 in 0…15."""
+        p = self.weight_int4
+        return torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight (N, K) these values, scales and zeros stand for."""
+        N, gs = self.out_features, self.group_size
+        scale, zero = self.scales_and_zeros.to(dtype).unbind(-1)  # (G, N) each
+        q = self.unpacked().view(N, -1, gs).to(dtype)  # (N, G, gs)
+        w = (q - 8) * scale.t()[..., None] + zero.t()[..., None]
+        return w.view(N, -1)[:, : self.in_features]
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K)
+        packed = self._cached("packed", lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            self.unpacked().to(torch.int32), 1))  # the kernel's own blocked layout, (N, K/2) uint8
+        sz = self.scales_and_zeros
+        if sz.dtype != x.dtype:
+            sz = self._cached(("sz", x.dtype), lambda: self.scales_and_zeros.to(x.dtype))
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, sz)  # (M, N)
+        return self._add_bias(out.reshape(*x.shape[:-1], self.out_features))
+
+
+# -- the model ------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, kind: str = "int8", group_size: int = 32, head: str | None = None) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (``accel.PackedLinear`` included) by an
+    :class:`Int8Linear` or :class:`Int4Linear` (``group_size`` inputs per int4 scale), in place;
+    returns ``model``. ``head`` is the kind of the output projection (``model.lm_head``); by default
+    int8 for both kinds (see the module docstring), ``head="int4"`` for an all-int4 model.
+
+    For inference: the quantised layers have no trainable weight. The scales take the dtype of the
+    weights they come from; ``model.to(torch.bfloat16)`` afterwards converts them (and every float
+    parameter) while the integer weights stay as they are."""
+    if check_kind(kind) is None:
+        return model
+    head_module = getattr(model, "lm_head", None)
+    done: dict[int, nn.Module] = {}  # a Linear reachable by two names stays one (shared) layer
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):  # every name (named_children skips repeats)
+            if isinstance(child, nn.Linear):
+                if id(child) not in done:
+                    k = (check_kind(head) or "int8") if child is head_module else kind
+                    done[id(child)] = (Int8Linear.from_linear(child) if k == "int8"
+                                       else Int4Linear.from_linear(child, group_size))
+                setattr(parent, name, done[id(child)])
+    return model
+
+
+def quantized_kind(model: nn.Module) -> str | None:
+    """"int8", "int4", "int8+int4" or None: what :func:`quantize_model` made of ``model``."""
+    kinds = sorted({m.kind for m in model.modules() if isinstance(m, _QuantLinear)}, reverse=True)
+    return "+".join(kinds) or None
+
+
+__all__ = ["quantize_model", "quantized_kind", "Int8Linear", "Int4Linear", "quant_kernels_ok", "kernel_dtype",
+           "check_kind", "KINDS"]

