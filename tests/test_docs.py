@@ -49,6 +49,7 @@ NOT_RUN = {
     "torchrun": "tests/test_train.py runs 2 torchrun processes against 1; here `python -m attnlab train` is dry-run",
     "pip install": "installs from an index; the extras it names are checked against pyproject.toml",
     "python benchmarks/": "benchmarks take minutes to hours; each script's --help must accept the documented arguments",
+    "attnlab serve": "a server runs until stopped; tests/test_serve.py serves live on a loopback port; here --dry-run",
 }
 
 
@@ -251,6 +252,8 @@ def check_command(doc: Doc, runner: Runner) -> subprocess.CompletedProcess | Non
         return res
     assert prog == "attnlab", doc
     command = args[0]
+    if command == "serve":
+        return _ok(runner.call([ATTNLAB, "--dry-run", *args]), doc)
     env = {}
     if command == "demo":
         preset = args[args.index("--preset"):args.index("--preset") + 2] if "--preset" in args else []

@@ -113,9 +113,9 @@ def test_hf_folder_of_wrong_architecture_is_named(tmp_path, minilm):
     from attnlab.pretrained import minilm_path
     folder = tmp_path / "m"
     shutil.copytree(minilm_path(), folder)
-    cfg = (folder / "config.json").read_text().replace('"model_type": "bert"', '"model_type": "t5"')
+    cfg = (folder / "config.json").read_text().replace('"model_type": "bert"', '"model_type": "opt"')
     (folder / "config.json").write_text(cfg)
-    with pytest.raises(ValueError, match="unsupported architecture 't5'"):
+    with pytest.raises(ValueError, match="unsupported architecture 'opt'"):
         load_pretrained(str(folder))
 
 

@@ -13,12 +13,13 @@ import argparse
 import sys
 
 from ..config import PRESETS, ConfigError
-from . import attention, average, classify, demo, doctor, embed, evaluate, generate, params, shapes, train, translate
+from . import (attention, average, classify, demo, doctor, embed, evaluate, generate, params, serve, shapes, train,
+               translate)
 from .common import UsageError
 
 COMMANDS = {"demo": demo, "train": train, "translate": translate, "evaluate": evaluate, "attention": attention,
             "classify": classify, "average": average, "generate": generate, "embed": embed, "params": params,
-            "shapes": shapes, "doctor": doctor}
+            "shapes": shapes, "doctor": doctor, "serve": serve}
 
 # Errors a person can act on: bad files, values, formats, missing packages. One line, exit status 1.
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,

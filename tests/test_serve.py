@@ -1,0 +1,371 @@
+"""attnlab serve: the official openai client against a live server (tiny random models on a free
+loopback port), errors and their statuses, and continuous batching (concurrent greedy requests give
+what each gives served alone)."""
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from attnlab import build_model, get_preset  # noqa: E402
+from attnlab.api import LoadedModel  # noqa: E402
+from attnlab.data.tokenizer import char_tokenizer  # noqa: E402
+from attnlab.generate import GenerationConfig  # noqa: E402
+from attnlab.serve import create_app  # noqa: E402
+
+TEXT = "the quick brown fox jumps over the lazy dog. THE END! 0123456789?,\n"
+CONTEXT = 64
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _models() -> dict:
+    tok = char_tokenizer(TEXT + "<>")
+    torch.manual_seed(0)
+    small = dict(vocab_size=tok.vocab_size, d_model=32, n_heads=2, d_ff=64, dropout=0.0, max_len=CONTEXT)
+    lm = build_model(get_preset("gpt-mini", n_decoder_layers=2, **small)).eval()
+    llama = build_model(get_preset("llama-mini", n_decoder_layers=2, n_kv_heads=1,
+                                   **{**small, "n_heads": 4})).eval()
+    enc = build_model(get_preset("bert-mini", n_encoder_layers=1, **small)).eval()
+    cls = build_model(get_preset("bert-mini", n_encoder_layers=1, n_classes=2, **small)).eval()
+    mt = build_model(get_preset("mt-tiny", n_encoder_layers=1, n_decoder_layers=1, **small)).eval()
+    return {"lm": LoadedModel(lm, tok, tok, "lm", "lm"),
+            "llama": LoadedModel(llama, tok, tok, "lm", "llama", chat_template=TEMPLATE),
+            "enc": LoadedModel(enc, tok, tok, "embedding", "enc"),
+            "cls": LoadedModel(cls, tok, tok, "classify", "cls", task={"task": "classify", "labels": ["no", "yes"]}),
+            "mt": LoadedModel(mt, tok, tok, "translation", "mt")}
+
+
+class Live:
+    """A uvicorn server in a thread on a free loopback port."""
+
+    def __init__(self, app):
+        import uvicorn
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def client(self, cls=None):
+        return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key="-", max_retries=0, timeout=60)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _models()
+
+
+@pytest.fixture(scope="module")
+def live(models):
+    s = Live(create_app(models, max_batch=16))
+    yield s
+    s.close()
+
+
+def alone(m, prompt, n, chat=False, **kw):
+    """The oracle: the request served alone through the library (no server, no batch)."""
+    return m.generate([prompt], GenerationConfig(max_new_tokens=n, **kw), chat=chat)[0]
+
+
+def test_models_chat_and_completions(live, models):
+    c = live.client()
+    listed = {m.id: m for m in c.models.list().data}
+    assert set(listed) == set(models) and listed["lm"].object == "model"
+    r = c.chat.completions.create(model="lm", messages=[{"role": "user", "content": "the fox"}],
+                                  max_tokens=12, temperature=0)
+    m = models["lm"]
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == alone(m, "the fox", 12)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(m.prompt_ids("the fox"))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # a model with a chat template gets the messages through it
+    r = c.chat.completions.create(model="llama", messages=[{"role": "system", "content": "be brief"},
+                                                          {"role": "user", "content": "dog?"}],
+                                  max_completion_tokens=9, temperature=0)
+    assert r.choices[0].message.content == models["llama"].generate(
+        ["dog?"], GenerationConfig(max_new_tokens=9), chat=True, system="be brief")[0]
+    # completions: several prompts × n choices; a length limit says "length"
+    r = c.completions.create(model="lm", prompt=["the lazy", "0123"], max_tokens=7, temperature=0, n=2)
+    assert r.object == "text_completion" and len(r.choices) == 4
+    assert [ch.text for ch in r.choices] == [alone(m, "the lazy", 7)] * 2 + [alone(m, "0123", 7)] * 2
+    full = alone(m, "THE", 30)
+    r = c.completions.create(model="lm", prompt="THE", max_tokens=30, temperature=0)
+    assert r.choices[0].text == full
+    if len(full) == 30:
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 30
+    # a stop string cuts the text before it and ends with "stop"
+    stop = full[5:7]
+    r = c.completions.create(model="lm", prompt="THE", max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_streaming_with_usage(live, models):
+    c = live.client()
+    chunks = list(c.chat.completions.create(model="lm", messages=[{"role": "user", "content": "quick"}],
+                                            max_tokens=15, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == alone(models["lm"], "quick", 15)
+    with_choices = [ch for ch in chunks if ch.choices]
+    assert with_choices[-1].choices[0].finish_reason in ("stop", "length")
+    assert all(ch.choices[0].finish_reason is None for ch in with_choices[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(text)  # one char per token
+    full = alone(models["lm"], "fox", 30)
+    stop = full[6:8]  # a stop string in a stream: nothing of it is sent
+    chunks = list(c.chat.completions.create(model="lm", messages=[{"role": "user", "content": "fox"}], max_tokens=30,
+                                            temperature=0, stream=True, stop=stop))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == full[: full.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # completions stream too; the raw stream ends with [DONE]
+    pieces = list(c.completions.create(model="lm", prompt="over", max_tokens=8, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == alone(models["lm"], "over", 8)
+    with httpx.stream("POST", live.url + "/v1/completions", json={"model": "lm", "prompt": "a", "max_tokens": 3,
+                                                                "stream": True}) as r:
+        lines = [l for l in r.iter_lines() if l]
+    assert lines[-1] == "data: [DONE]" and all(l.startswith("data: ") for l in lines)
+
+
+def test_sampling_is_seeded_and_equals_the_library(live, models):
+    c = live.client()
+    kw = dict(model="lm", prompt="the", max_tokens=20, temperature=0.8, top_p=0.9, seed=7)
+    a, b = (c.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b == alone(models["lm"], "the", 20, do_sample=True, temperature=0.8, top_p=0.9, seed=7)
+
+
+def test_embeddings_translate_classify_health_metrics(live, models):
+    c = live.client()
+    texts = ["the quick fox", "dog", "0123456789 and more"]
+    want = models["enc"].embed(texts)
+    got = c.embeddings.create(model="enc", input=texts)  # the client asks for base64
+    assert len(got.data) == 3 and got.usage.prompt_tokens == sum(len(t) for t in texts)
+    assert np.abs(np.array([d.embedding for d in got.data]) - want).max() < 1e-6
+    floats = c.embeddings.create(model="enc", input="dog", encoding_format="float")
+    assert np.abs(np.array(floats.data[0].embedding) - want[1]).max() < 1e-6
+    r = httpx.post(live.url + "/v1/translate", json={"model": "mt", "texts": ["the dog", "fox"], "beam": 2,
+                                                     "max_len": 6}).json()
+    assert r["translations"] == models["mt"].translate(["the dog", "fox"], GenerationConfig(num_beams=2,
+                                                                                           max_new_tokens=6))
+    r = httpx.post(live.url + "/v1/classify", json={"texts": ["the dog", "fox?"]}).json()  # the only classifier
+    assert [x["label"] for x in r["results"]] == [label for label, _ in models["cls"].classify(["the dog", "fox?"])]
+    maps = httpx.post(live.url + "/v1/attention", json={"model": "mt", "text": "the dog", "translation": "fox"}).json()
+    S, T = len(maps["src_tokens"]), len(maps["tgt_in_tokens"])
+    assert np.array(maps["cross"]).shape == (1, 2, T, S) and np.array(maps["encoder"]).shape == (1, 2, S, S)
+    assert np.allclose(np.array(maps["cross"]).sum(-1), 1, atol=1e-4) and maps["translation"] == "fox"
+    own = httpx.post(live.url + "/v1/attention", json={"text": "the dog", "beam": 1}).json()  # the only translator
+    assert own["translation"] == models["mt"].translate(["the dog"], GenerationConfig(num_beams=1))[0]
+    page = httpx.get(live.url + "/")
+    assert page.status_code == 200 and "/v1/chat/completions" in page.text and "/v1/attention" in page.text
+    assert "http" not in page.text.replace("http-equiv", "")  # no CDN: everything comes from this server
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+    metrics = httpx.get(live.url + "/metrics").text
+    for name in ("attnlab_requests_total", "attnlab_tokens_total", "attnlab_queue_depth", "attnlab_batch_size",
+                 "attnlab_time_to_first_token_seconds"):
+        assert name in metrics
+
+
+def test_errors_have_openai_shape_and_the_server_keeps_serving(live, models):
+    c = live.client()
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        (404, dict(model="nope", messages=user)),
+        (400, dict(model="lm", messages=[])),
+        (400, dict(model="lm", messages=user, max_tokens=CONTEXT)),  # prompt + max_tokens past the context
+        (400, dict(model="enc", messages=user)),  # not a language model
+        (422, dict(model="lm", messages=user, temperature=-1)),
+        (422, dict(model="lm", messages=user, max_tokens="many")),
+        (422, dict(model="lm", messages="hi")),
+        (400, dict(model="lm", messages=user, presence_penalty=0.5)),
+        (400, dict(model="lm", messages=user, stop=["a"] * 5)),
+    ]
+    for status, kw in cases:
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(**kw)
+        assert e.value.status_code == status, kw
+        err = e.value.body if "message" in (e.value.body or {}) else e.value.body["error"]
+        assert set(err) >= {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="lm", prompt="x" * CONTEXT, max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        c.embeddings.create(model="enc", input=[""])
+    too_long = httpx.post(live.url + "/v1/translate", json={"texts": ["the dog " * 20]})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        c.embeddings.create(model="lm-typo", input="x")
+    bad = httpx.post(live.url + "/v1/chat/completions", content=b"{not json",
+                     headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["message"]
+    big = httpx.post(live.url + "/v1/completions", content=b"{" + b" " * (10 << 20) + b"}",
+                     headers={"content-type": "application/json"})
+    assert big.status_code == 413 and "error" in big.json()
+    def chunks():  # no content-length: the limit holds for a streamed body too
+        for _ in range(20):
+            yield b" " * (1 << 19)
+    assert httpx.post(live.url + "/v1/completions", content=chunks()).status_code == 413
+    assert httpx.get(live.url + "/v1/nothing").json()["error"]["type"] == "invalid_request_error"
+    r = c.chat.completions.create(model="lm", messages=user, max_tokens=4, temperature=0)  # still serving
+    assert r.choices[0].message.content == alone(models["lm"], "hi", 4)
+
+
+def test_concurrent_mixed_requests_equal_served_alone(live, models):
+    prompts = ["the", "quick brown fox", "a", "lazy dog jumps over", "0123", "THE END", "zz", "fox?"]
+
+    async def one(c, i):
+        p, n, name = prompts[i % len(prompts)], 4 + (i * 7) % 25, ("lm", "llama")[i % 2]
+        if i % 4 == 3:  # sampled with a seed
+            r = await c.completions.create(model=name, prompt=p, max_tokens=n, temperature=0.7, seed=i)
+            return name, p, n, False, dict(do_sample=True, temperature=0.7, seed=i), r.choices[0].text
+        if i % 4 == 2:  # streamed
+            s = await c.chat.completions.create(model=name, messages=[{"role": "user", "content": p}], max_tokens=n,
+                                                temperature=0, stream=True)
+            return name, p, n, True, {}, "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+        if i % 4 == 1:
+            r = await c.completions.create(model=name, prompt=p, max_tokens=n, temperature=0)
+            return name, p, n, False, {}, r.choices[0].text
+        r = await c.chat.completions.create(model=name, messages=[{"role": "user", "content": p}], max_tokens=n,
+                                            temperature=0)
+        return name, p, n, True, {}, r.choices[0].message.content
+
+    async def all_of_them():
+        c = live.client(openai.AsyncOpenAI)
+        return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+    results = asyncio.run(all_of_them())
+    for name, p, n, chat, kw, text in results:  # llama has a chat template: chat requests go through it
+        assert text == alone(models[name], p, n, chat=chat and name == "llama", **kw), (name, p, n, chat, kw)
+    batches = httpx.get(live.url + "/metrics").text
+    assert any(line.startswith('attnlab_batch_size_bucket{le="1.0",model="lm"}') for line in batches.splitlines())
+
+
+def test_full_queue_is_429_and_a_disconnect_leaves_the_batch(models):
+    m = models["lm"]
+    n = CONTEXT - 8
+    prompt = next(p for p in ("the", "a", "fox", "0", "dog", "THE", "?", "lazy") if len(alone(m, p, n)) == n)
+    s = Live(create_app({"lm": m}, max_batch=1, max_queue=1))
+    try:
+        c = s.client()
+        engine = s.server.config.app.state.server.engines["lm"]
+        engine.on_step = lambda rows: time.sleep(0.02)  # slow decoding down: the queue fills for sure
+        stream = c.completions.create(model="lm", prompt=prompt, max_tokens=n, temperature=0, stream=True)
+        next(iter(stream))  # it holds the only batch row now
+        waiting = threading.Thread(target=lambda: c.completions.create(model="lm", prompt="a", max_tokens=2))
+        waiting.start()
+        deadline = time.time() + 10
+        while engine.queue_depth < 1 and time.time() < deadline:
+            time.sleep(0.005)
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model="lm", prompt="b", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+        stream.close()  # the client goes away: its row leaves the batch long before its n tokens
+        waiting.join(timeout=30)
+        deadline = time.time() + 10
+        while (engine.batch_size or engine.queue_depth) and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.batch_size == 0 and engine.queue_depth == 0 and engine.steps < n
+    finally:
+        s.close()
+
+
+def test_cli_serve_arguments():
+    from attnlab.cli import main
+    from attnlab.cli.serve import model_specs
+    assert model_specs(["runs/lm/", "mt=runs/enzh", "smollm2"]) == {"lm": "runs/lm/", "mt": "runs/enzh",
+                                                                    "smollm2": "smollm2"}
+    assert main(["serve", "--model", "a", "--model", "x=a", "--model", "a", "--port", "1"]) == 2
+    assert main(["--dry-run", "serve", "--model", "lm"]) == 0
+
+
+def test_cli_serve_loads_the_models_and_runs_uvicorn(models, monkeypatch, capsys):
+    import uvicorn
+
+    import attnlab
+    from attnlab.cli import main
+    seen = {}
+    monkeypatch.setattr(attnlab, "load", lambda spec, device, bf16: models["lm"])
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: seen.update(app=app, port=port))
+    assert main(["serve", "--model", "mine=runs/lm", "--port", "8123", "--max-batch", "4"]) == 0
+    assert seen["port"] == 8123 and set(seen["app"].state.server.engines) == {"mine"}
+    assert seen["app"].state.server.engines["mine"].max_batch == 4
+    monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # not installed
+    assert main(["serve", "--model", "runs/lm"]) == 1
+    assert 'pip install "attnlab[serve]"' in capsys.readouterr().err
+
+
+PAGE_DRIVER = r"""
+// A minimal DOM for the page's script: enough elements to run it under node against a live server.
+const BASE = process.argv[2];
+const els = {};
+class El {
+  constructor(tag, id) { this.tag = tag; this.id = id; this.children = []; this.value = ""; this.textContent = "";
+    this.hidden = false; this.disabled = false; this.style = {}; this.className = ""; this.scrollTop = 0; this._html = ""; }
+  set innerHTML(v) { this._html = v; this.children = []; this.value = ""; } get innerHTML() { return this._html; }
+  appendChild(c) { this.children.push(c); if (c.tag === "option" && this.value === "") this.value = c.value; return c; }
+  createTHead() { return this.appendChild(new El("thead")); } createTBody() { return this.appendChild(new El("tbody")); }
+  insertRow() { return this.appendChild(new El("tr")); } insertCell() { return this.appendChild(new El("td")); }
+  all(tag) { return this.children.flatMap(c => (c.tag === tag ? [c] : []).concat(c.all(tag))); }
+}
+global.document = { getElementById: id => els[id] || (els[id] = new El("div", id)), createElement: t => new El(t) };
+const realFetch = fetch;
+global.fetch = (path, opts) => realFetch(BASE + path, opts);
+els.maxTok = new El("input"); els.maxTok.value = "12"; els.temp = new El("input"); els.temp.value = "0";
+els.beam = new El("input"); els.beam.value = "2"; els.kind = new El("select"); els.kind.value = "cross";
+require(process.argv[3]);
+const sleep = ms => new Promise(r => setTimeout(r, ms));
+(async () => {
+  await sleep(300);
+  const opts = sel => sel.children.map(o => String(o.value));
+  const $ = id => document.getElementById(id);
+  const out = {chatModels: opts($("chatModel")), mtModels: opts($("mtModel"))};
+  $("msg").value = "the fox"; await $("send").onclick();
+  out.log = $("log").children.map(c => c.textContent); out.status = $("chatStatus").textContent;
+  $("src").value = "the dog"; await $("go").onclick();
+  out.translation = $("out").textContent;
+  const table = $("heat").children[0];
+  out.cells = table ? table.all("td").length : 0;
+  out.layers = opts($("layer")); out.heads = opts($("head"));
+  if (table) { table.all("td")[0].onmouseenter(); out.hover = $("hover").textContent; }
+  console.log(JSON.stringify(out));
+})().catch(e => { console.log(JSON.stringify({error: String(e)})); process.exit(1); });
+"""
+
+
+def test_page_chats_and_draws_attention_under_node(live, models, tmp_path):
+    """The page's own script, run by node with a minimal DOM against the live server: the chat box
+    streams a reply, the translate box shows the translation and a heatmap with hover text."""
+    import shutil
+    import subprocess
+    if not shutil.which("node"):
+        pytest.skip("node is not installed")
+    from attnlab.serve.page import PAGE
+    (tmp_path / "page.js").write_text(PAGE.split("<script>")[1].split("</script>")[0], encoding="utf-8")
+    (tmp_path / "driver.js").write_text(PAGE_DRIVER, encoding="utf-8")
+    r = subprocess.run(["node", str(tmp_path / "driver.js"), live.url, str(tmp_path / "page.js")],
+                       capture_output=True, text=True, timeout=60)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["chatModels"] == ["lm", "llama"] and out["mtModels"] == ["mt"]
+    assert out["log"] == ["you: the fox", alone(models["lm"], "the fox", 12)]
+    assert out["status"].startswith("finished: ")
+    want = models["mt"].translate(["the dog"], GenerationConfig(num_beams=2))[0]
+    assert out["translation"] == want and out["layers"] == ["0"] and out["heads"] == ["mean", "0", "1"]
+    maps = models["mt"].attention("the dog", want)
+    assert out["cells"] == maps["cross"][0].shape[1] * maps["cross"][0].shape[2]
+    assert " → " in out["hover"]
