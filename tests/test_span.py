@@ -226,6 +226,11 @@ def test_span_pretraining_learns_and_loads_as_a_gap_filler(sentences, tmp_path, 
     capsys.readouterr()
     assert main(["translate", "--model", str(out), "--text", "Tom <extra_id_0> to school."]) == 0
     assert capsys.readouterr().out.startswith("<extra_id_0>")
+    # attnlab evaluate scores lines the same way (fixed gaps): learned, far below the untrained loss.
+    assert main(["evaluate", "--task", "span", "--model", str(out), "--data", str(sentences), "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    assert scores["tokens"] > 1000 and scores["dev_span_loss"] < 0.6 * initial["dev_span_loss"], scores
+    assert 0 < scores["dev_span_accuracy"] < 1
 
 
 # -- translation: --source-prefix -------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from .common import add_device, add_generation, add_model, generation_config, lo
     read_lines
 
 HELP = ("translation: sacreBLEU (zh tokenizer for Chinese, 13a otherwise) and chrF; lm: loss and perplexity; "
-        "classify, image-classify: accuracy, macro-F1, confusion matrix; mlm: masked-token loss and accuracy")
+        "classify, image-classify: accuracy, macro-F1, confusion matrix; mlm: masked-token loss and accuracy; "
+        "span: span-corruption loss and accuracy")
 EXAMPLES = """attnlab evaluate --model runs/enzh --src test.en --ref test.zh --json
   attnlab evaluate --model runs/enzh --data test.tsv --beam 4
   attnlab evaluate --task lm --model runs/shakespeare --data val.txt
@@ -44,7 +45,7 @@ def run(args) -> int:
     task = load_task_info(args.model)["task"]
     if args.task and args.task != task:
         raise ValueError(f"--task {args.task}: {args.model} was trained for --task {task} (see its task.json)")
-    if task in ("lm", "mlm", "classify", "image-classify") and not args.data:
+    if task in ("lm", "mlm", "classify", "image-classify", "span") and not args.data:
         raise ValueError(f"attnlab evaluate --task {task} needs --data FILE")
     if task not in EVALUATORS:
         raise ValueError(f"{args.model}: attnlab evaluate does not know --task {task} (see its task.json)")
@@ -88,6 +89,30 @@ def _mlm(args) -> int:
                   f"({s['masked_tokens']:,} masked tokens)")
 
 
+def _span(args) -> int:
+    """Span-corruption loss and target-token accuracy on held-out lines, corrupted once with a fixed
+    seed as the trainer's dev split is: two checkpoints are scored on the same gaps."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ..data.readers import read_text
+    from ..train.tasks.span import SpanCorruptionTask, sentinel_ids
+    model = load(args)
+    info = model.task
+    task = SpanCorruptionTask()
+    task.tok, task.sentinels = model.tokenizer, sentinel_ids(model.tokenizer)
+    task.args = SimpleNamespace(max_len=info["max_len"], noise_density=info["noise_density"],
+                                mean_span_length=info["mean_span_length"])
+    rows, _ = task._rows([l.strip() for l in read_text(args.data).splitlines() if l.strip()])  # as training reads
+    g = torch.Generator().manual_seed(1)
+    task.dev_pairs = [task._corrupt(ids, g) for ids in rows]
+    s = task.evaluate(model.module, model.device, False)
+    return _print(args, s, ("dev_span_loss", "dev_span_accuracy", "tokens"),
+                  f"span loss {s['dev_span_loss']:.4f}  accuracy {s['dev_span_accuracy']:.4f}  "
+                  f"({s['tokens']:,} target tokens)")
+
+
 def _classify(args) -> int:
     from ..data.readers import read_labeled
     from ..modeldir import load_task_info
@@ -125,4 +150,4 @@ def _classification_report(args, labels: list[str], s: dict) -> int:
 
 
 EVALUATORS = {"translation": _translation, "lm": _lm, "mlm": _mlm, "classify": _classify,
-              "image-classify": _image_classify}
+              "image-classify": _image_classify, "span": _span}
