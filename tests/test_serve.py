@@ -256,6 +256,85 @@ def test_concurrent_mixed_requests_equal_served_alone(live, models):
     assert any(line.startswith('attnlab_batch_size_bucket{le="1.0",model="lm"}') for line in batches.splitlines())
 
 
+def test_concurrent_translations_and_embeddings_are_batched_and_equal_alone(live, models):
+    """Translation requests (greedy and beam search, different lengths and length penalties) join one
+    running decoder batch; each answer equals the sentence translated alone. Embedding requests that wait
+    together are embedded in one call; each equals ``embed`` alone."""
+    mt, enc = models["mt"], models["enc"]
+    sources = ["the dog", "fox", "the quick brown fox jumps", "a", "lazy dog over the", "0123", "THE END", "dog?"]
+    engine = live.server.config.app.state.server.engines["mt"]
+    engine.on_step = lambda rows: time.sleep(0.002)  # a decoder step slow enough that requests overlap
+    sizes = []
+    step = engine.on_step
+    engine.on_step = lambda rows: (sizes.append(rows), step(rows))
+
+    def request(i):
+        return {"model": "mt", "texts": [sources[i % len(sources)]], "beam": (1, 2, 4)[i % 3],
+                "lenpen": (0.6, 0.0, 1.0)[i % 3], "max_len": 5 + i % 7}
+
+    async def all_of_them():
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as c:
+            tr = [c.post("/v1/translate", json=request(i)) for i in range(24)]
+            em = [c.post("/v1/embeddings", json={"model": "enc", "input": [sources[i % 8], sources[(i + 3) % 8]]})
+                  for i in range(16)]
+            return await asyncio.gather(*tr, *em)
+
+    try:
+        out = asyncio.run(all_of_them())
+    finally:
+        engine.on_step = None
+    for i, r in enumerate(out[:24]):
+        q = request(i)
+        cfg = GenerationConfig(num_beams=q["beam"], length_penalty=q["lenpen"], max_new_tokens=q["max_len"])
+        (text, score), = mt.translate(q["texts"], cfg, nbest=True)[0][:1]
+        body = r.json()
+        assert body["translations"] == [text], (i, q)
+        if q["beam"] > 1:  # (greedy decoding alone keeps no score; the server reports it)
+            assert abs(body["scores"][0] - score) < 1e-4
+    assert max(sizes) > 1  # requests really shared decoder steps
+    for i, r in enumerate(out[24:]):
+        got = np.array([d["embedding"] for d in r.json()["data"]])
+        assert np.abs(got - enc.embed([sources[i % 8], sources[(i + 3) % 8]])).max() < 1e-5
+
+
+def test_a_model_that_loads_answers_503_until_ready(models):
+    ready = threading.Event()
+
+    def slow():
+        ready.wait(30)
+        return models["lm"]
+    s = Live(create_app({"slow": slow, "enc": models["enc"]}))
+    try:
+        c = s.client()
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and health.json()["loading"] == {"slow": "loading"}
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "model_loading"
+        assert c.embeddings.create(model="enc", input="dog").data  # the loaded model already serves
+        ready.set()
+        deadline = time.time() + 20
+        while httpx.get(s.url + "/health").status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        r = c.chat.completions.create(model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                      temperature=0)
+        assert r.choices[0].message.content == alone(models["lm"], "hi", 3)
+    finally:
+        ready.set()
+        s.close()
+    failing = Live(create_app({"bad": lambda: (_ for _ in ()).throw(OSError("disk gone"))}))
+    try:
+        deadline = time.time() + 10
+        while "failed" not in httpx.get(failing.url + "/health").json()["loading"].get("bad", "failed"):
+            assert time.time() < deadline
+            time.sleep(0.02)
+        r = httpx.post(failing.url + "/v1/completions", json={"model": "bad", "prompt": "a"})
+        assert r.status_code == 503 and "disk gone" in r.json()["error"]["message"]
+    finally:
+        failing.close()
+
+
 def test_full_queue_is_429_and_a_disconnect_leaves_the_batch(models):
     m = models["lm"]
     n = CONTEXT - 8
@@ -281,6 +360,15 @@ def test_full_queue_is_429_and_a_disconnect_leaves_the_batch(models):
         while (engine.batch_size or engine.queue_depth) and time.time() < deadline:
             time.sleep(0.01)
         assert engine.batch_size == 0 and engine.queue_depth == 0 and engine.steps < n
+        # a client of a non-streamed request that gives up (time-out) leaves the batch too
+        before = engine.steps
+        impatient = s.client().with_options(timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model="lm", prompt=prompt, max_tokens=n, temperature=0)
+        deadline = time.time() + 10
+        while engine.batch_size and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.batch_size == 0 and engine.steps - before < n
     finally:
         s.close()
 
@@ -300,11 +388,32 @@ def test_cli_serve_loads_the_models_and_runs_uvicorn(models, monkeypatch, capsys
     import attnlab
     from attnlab.cli import main
     seen = {}
-    monkeypatch.setattr(attnlab, "load", lambda spec, device, bf16: models["lm"])
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: seen.update(app=app, port=port))
-    assert main(["serve", "--model", "mine=runs/lm", "--port", "8123", "--max-batch", "4"]) == 0
+
+    class FakeServer:  # runs the app's startup (background loading) instead of listening
+        def __init__(self, config):
+            seen.update(app=config.app, port=config.port)
+            self.should_exit = False
+
+        def run(self):
+            server = seen["app"].state.server
+            server.load_in_background()
+            deadline = time.time() + 10
+            while server.loading and not self.should_exit and time.time() < deadline:
+                time.sleep(0.01)
+
+    def load(spec, device, bf16, quantize):
+        if spec == "broken":
+            raise FileNotFoundError("no model at broken")
+        seen["quantize"] = quantize
+        return models["lm"]
+    monkeypatch.setattr(attnlab, "load", load)
+    monkeypatch.setattr(uvicorn, "Server", FakeServer)
+    assert main(["serve", "--model", "mine=runs/lm", "--port", "8123", "--max-batch", "4", "--quantize", "int8"]) == 0
     assert seen["port"] == 8123 and set(seen["app"].state.server.engines) == {"mine"}
-    assert seen["app"].state.server.engines["mine"].max_batch == 4
+    assert seen["app"].state.server.engines["mine"].max_batch == 4 and seen["quantize"] == "int8"
+    assert "mine = runs/lm (lm, decoder-only) is ready" in capsys.readouterr().out
+    assert main(["serve", "--model", "broken"]) == 1  # a model that cannot load stops the server
+    assert "--model broken=broken: FileNotFoundError: no model at broken" in capsys.readouterr().err
     monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # not installed
     assert main(["serve", "--model", "runs/lm"]) == 1
     assert 'pip install "attnlab[serve]"' in capsys.readouterr().err

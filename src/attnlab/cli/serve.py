@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from .common import UsageError, add_device
 
 HELP = "serve models over HTTP: OpenAI-compatible /v1 routes, translate, classify, metrics"
@@ -21,6 +23,12 @@ def arguments(p) -> None:
                    help="most requests waiting for the batch; more are refused with HTTP 429 (default 256)")
     p.add_argument("--bf16", action="store_true",
                    help="run the models in bfloat16 where it is native (fp32 on CPUs that would emulate it)")
+    p.add_argument("--quantize", choices=("int8", "int4"),
+                   help="weight-only quantisation of every linear layer (attnlab.quant): less memory, faster "
+                        "decoding of small batches on CPU")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoding step of language models and translators (dynamic shapes; "
+                        "kept eager where that is faster, e.g. fp32 on CPU)")
     add_device(p)
 
 
@@ -54,11 +62,25 @@ def run(args) -> int:
         raise ImportError(f'attnlab serve needs FastAPI, uvicorn and prometheus_client ({e.name or e} is not '
                           f'installed): pip install "attnlab[serve]"') from None
     import attnlab
-    models = {}
-    for alias, spec in specs.items():
-        models[alias] = m = attnlab.load(spec, device=args.device, bf16=args.bf16)
-        print(f"attnlab serve: {alias} = {spec} ({m.kind}, {m.config.family})", flush=True)
-    app = create_app(models, max_batch=args.max_batch, max_queue=args.max_queue)
-    print(f"attnlab serve: http://{args.host}:{args.port}/v1 (OpenAI-compatible); /health, /metrics", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    failed = []
+
+    def loader(alias, spec):
+        def load():
+            m = attnlab.load(spec, device=args.device, bf16=args.bf16, quantize=args.quantize)
+            print(f"attnlab serve: {alias} = {spec} ({m.kind}, {m.config.family}) is ready", flush=True)
+            return m
+        return load
+
+    def load_error(alias, e):
+        failed.append(alias)
+        print(f"attnlab serve: --model {alias}={specs[alias]}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        server.should_exit = True  # a model that cannot load is a usage error: stop, as before any request
+
+    # The server answers at once; the models load in the background (503 for theirs until ready).
+    app = create_app({alias: loader(alias, spec) for alias, spec in specs.items()}, max_batch=args.max_batch,
+                     max_queue=args.max_queue, compile=args.compile, on_load_error=load_error)
+    print(f"attnlab serve: http://{args.host}:{args.port}/v1 (OpenAI-compatible); /health, /metrics; "
+          f"loading {', '.join(specs)}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server.run()
+    return 1 if failed else 0

@@ -177,32 +177,55 @@ def length_penalty(length: int, alpha: float) -> float:
 def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationConfig, eos_id: int,
                 max_new_tokens: int, prompts: list[list[int]] | None = None,
                 pad_id: int | None = None) -> list[list[Hypothesis]]:
-    """Batched beam search (B·K rows). Each step takes the 2K best continuations of every input,
-    finishes those that end in EOS, and keeps the K best others alive. Returns, per input, the
-    finished hypotheses sorted by length-normalised score (best first)."""
-    K, B, device = cfg.num_beams, batch_size, start.device
-    process = LogitsProcessor(cfg, eos_id, [p for p in prompts for _ in range(K)] if prompts else None, pad_id)
-    scores = torch.full((B, K), float("-inf"), device=device)
-    scores[:, 0] = 0.0  # all beams start identical: only one may expand at the first step
-    seqs = torch.zeros(B * K, 0, dtype=torch.long, device=device)
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    done = [False] * B
+    """Batched beam search (B·K rows). Returns, per input, the finished hypotheses sorted by
+    length-normalised score (best first)."""
+    search = BeamSearch(batch_size, cfg, eos_id, max_new_tokens, prompts, pad_id, start.device)
     tokens = start
-    for step in range(max_new_tokens):
-        logits = stepper.step(tokens)  # (B·K, V)
-        logits = process(logits, seqs.tolist, step)
+    while True:
+        step = search.advance(stepper.step(tokens))  # (B·K, V) logits in
+        if step is None:
+            return search.results()
+        rows, new_tok = step
+        stepper.select(rows, within_groups=True)
+        tokens = new_tok[:, None]
+
+
+class BeamSearch:
+    """The state of a beam search over B inputs × K beams, one ``advance`` per decoding step. Each
+    step takes the 2K best continuations of every input, finishes those that end in EOS, and keeps
+    the K best others alive. ``beam_search`` drives it for one batch; ``attnlab serve`` drives one
+    per request inside its shared decoding batch."""
+
+    def __init__(self, batch_size: int, cfg: GenerationConfig, eos_id: int, max_new_tokens: int,
+                 prompts: list[list[int]] | None = None, pad_id: int | None = None, device=None):
+        K, B = cfg.num_beams, batch_size
+        self.cfg, self.eos_id, self.max_new_tokens, self.B, self.K = cfg, eos_id, max_new_tokens, B, K
+        self.process = LogitsProcessor(cfg, eos_id, [p for p in prompts for _ in range(K)] if prompts else None,
+                                       pad_id)
+        self.scores = torch.full((B, K), float("-inf"), device=device)
+        self.scores[:, 0] = 0.0  # all beams start identical: only one may expand at the first step
+        self.seqs = torch.zeros(B * K, 0, dtype=torch.long, device=device)
+        self.finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+        self.done = [False] * B
+        self.step = 0
+
+    def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Next-token logits (B·K, V) → (rows each beam continues, (B·K,) its new token), or None when
+        every input's search is over (then read ``results``)."""
+        cfg, K, B, step, device = self.cfg, self.K, self.B, self.step, self.scores.device
+        logits = self.process(logits, self.seqs.tolist, step)
         logp = logits.log_softmax(-1)
         V = logp.shape[-1]
-        cand = (scores.view(B * K, 1) + logp).view(B, K * V)
+        cand = (self.scores.view(B * K, 1) + logp).view(B, K * V)
         top, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
         beam, tok = idx // V, idx % V
-        is_eos = tok == eos_id
-        last = step == max_new_tokens - 1
+        is_eos = tok == self.eos_id
+        last = step == self.max_new_tokens - 1
         # Finish EOS candidates ranked within the top K; at the length limit, the top K of all.
         for b, j in (is_eos[:, :K] if not last else torch.ones_like(is_eos[:, :K])).nonzero().tolist():
-            if not done[b] and top[b, j] != float("-inf"):
-                finished[b].append(_hypothesis(seqs[b * K + beam[b, j].item()].tolist(), tok[b, j].item(),
-                                               bool(is_eos[b, j]), top[b, j].item(), cfg.length_penalty))
+            if not self.done[b] and top[b, j] != float("-inf"):
+                self.finished[b].append(_hypothesis(self.seqs[b * K + beam[b, j].item()].tolist(), tok[b, j].item(),
+                                                    bool(is_eos[b, j]), top[b, j].item(), cfg.length_penalty))
         # K best non-EOS candidates stay alive (rank order preserved).
         rank = torch.arange(2 * K, device=device).expand(B, 2 * K) + is_eos.long() * (2 * K)
         keep = rank.topk(K, dim=1, largest=False).indices  # (B, K)
@@ -210,19 +233,25 @@ def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationCo
         rows = (beam.gather(1, keep) + torch.arange(B, device=device)[:, None] * K).view(-1)
         new_tok = tok.gather(1, keep).view(-1)
         for b in range(B):
-            done[b] = done[b] or _group_done(finished[b], new_scores[b].max().item(), cfg, step, max_new_tokens)
-        if all(done) or last:
-            break
-        scores = new_scores.masked_fill(torch.tensor(done, device=device)[:, None], float("-inf"))
-        seqs = torch.cat([seqs.index_select(0, rows), new_tok[:, None]], 1)
-        stepper.select(rows, within_groups=True)
-        tokens = new_tok[:, None]
-    for b in range(B):
-        if len(finished[b]) < K:  # out of length: alive beams count as finished
-            finished[b] += [_hypothesis(seqs[b * K + k].tolist(), None, False, scores[b, k].item(), cfg.length_penalty)
-                            for k in range(K) if scores[b, k] > float("-inf")]
-        finished[b].sort(key=lambda h: -h.score)
-    return finished
+            self.done[b] = self.done[b] or _group_done(self.finished[b], new_scores[b].max().item(), cfg, step,
+                                                       self.max_new_tokens)
+        if all(self.done) or last:
+            return None
+        self.scores = new_scores.masked_fill(torch.tensor(self.done, device=device)[:, None], float("-inf"))
+        self.seqs = torch.cat([self.seqs.index_select(0, rows), new_tok[:, None]], 1)
+        self.step += 1
+        return rows, new_tok
+
+    def results(self) -> list[list[Hypothesis]]:
+        """Per input, the finished hypotheses, best first (out of length: alive beams count as finished)."""
+        K = self.K
+        for b in range(self.B):
+            if len(self.finished[b]) < K:
+                self.finished[b] += [_hypothesis(self.seqs[b * K + k].tolist(), None, False, self.scores[b, k].item(),
+                                                 self.cfg.length_penalty)
+                                     for k in range(K) if self.scores[b, k] > float("-inf")]
+            self.finished[b].sort(key=lambda h: -h.score)
+        return self.finished
 
 
 def _hypothesis(prefix: list[int], token: int | None, eos: bool, logprob: float, alpha: float) -> Hypothesis:

@@ -277,13 +277,15 @@ class EncoderDecoder(TransformerBase):
         """tgt (B, T) target prefix → logits (B, T, V) (or (B, V) with last_only).
 
         With a cache, ``tgt`` holds only the new positions and ``tgt_mask`` (if any) covers all
-        positions so far."""
+        positions so far. As in ``DecoderOnly.forward``, positions count real tokens only, so a
+        left-padded row (a request that joined a running batch in ``attnlab serve``) computes what it
+        computes alone."""
         past = cache.length if cache is not None else 0
         T = tgt.shape[1]
-        pos = torch.arange(past, past + T, device=tgt.device)
+        k_pos = _key_positions(tgt_mask, past + T, tgt.device)
+        pos = k_pos[..., past:]
         x = self.tgt_embed(tgt, pos)
-        rope, bias = self._attention_positions(pos, torch.arange(past + T, device=tgt.device), x.dtype,
-                                               self.decoder)
+        rope, bias = self._attention_positions(pos, k_pos, x.dtype, self.decoder)
         mask, is_causal = decoder_self_mask(tgt_mask, T, past, tgt.device)
         memory_mask = padding_mask(src_mask) if src_mask is not None else None
         h = self.decoder(x, memory, mask=mask, is_causal=is_causal, memory_mask=memory_mask,

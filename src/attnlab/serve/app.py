@@ -1,11 +1,14 @@
 """The HTTP server of ``attnlab serve``: OpenAI-compatible routes (``/v1/models``,
 ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``) and attnlab's own
-(``/v1/translate``, ``/v1/classify``, ``/health``, ``/metrics``), over models already loaded with
-``attnlab.load``. Language models are served through a continuous-batching :class:`Engine`; the
-other kinds run one request at a time per model, in a worker thread.
+(``/v1/translate``, ``/v1/classify``, ``/v1/attention``, ``/health``, ``/metrics``), over models
+loaded with ``attnlab.load``. Every model is owned by one engine thread (``engine.py``): language
+models and translators are continuously batched, encoders batch the requests that wait together.
+A model given as a function is loaded in the background after the server starts; its requests get
+503 until it is ready.
 
     from attnlab.serve import create_app
     app = create_app({"lm": attnlab.load("runs/lm")})     # any ASGI server; attnlab serve uses uvicorn
+    app = create_app({"lm": lambda: attnlab.load("smollm2")})  # answers 503 for "lm" while it loads
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Literal
 
 try:
     from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field
@@ -28,7 +32,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f'attnlab serve needs FastAPI and uvicorn ({e.name} is not installed): '
                       f'pip install "attnlab[serve]"') from None
 
-from .engine import Engine, QueueFull, Request
+from .engine import Batch, BatchEngine, Engine, QueueFull, Request, TranslationEngine, TranslationJob
 from .text import TextTracker
 
 MAX_BODY = 1 << 20  # bytes: a larger request body is refused with 413
@@ -149,31 +153,65 @@ class Metrics:
 
 
 class Server:
-    """What the routes share: the models, one engine per language model, locks, metrics."""
+    """What the routes share: the models, the engine of each, metrics, and which models still load."""
 
-    def __init__(self, models: dict, max_batch: int, max_queue: int):
+    def __init__(self, models: dict, max_batch: int, max_queue: int, compile: bool = False, on_load_error=None):
         if not models:
             raise ValueError("attnlab serve needs at least one model")
-        self.models = dict(models)
         self.metrics = Metrics()
-        self.engines: dict[str, Engine] = {}
-        self.locks = {name: threading.Lock() for name in self.models}
-        for name, m in self.models.items():
-            if m.kind == "lm":
-                self.engines[name] = Engine(
-                    m, max_batch=max_batch, max_queue=max_queue,
-                    on_step=self.metrics.batch.labels(name).observe,
-                    on_first_token=self.metrics.ttft.labels(name).observe)
-                self.metrics.queue.labels(name).set_function(lambda e=self.engines[name]: e.queue_depth)
+        self.max_batch, self.max_queue, self.compile = max_batch, max_queue, compile
+        self.models: dict = {}
+        self.engines: dict = {}
+        self.loading: dict[str, str] = {}   # name → "loading" or why it failed
+        self.on_load_error = on_load_error
+        self._loaders = {}
+        for name, m in models.items():
+            if callable(m) and not hasattr(m, "kind"):
+                self.loading[name], self._loaders[name] = "loading", m
+            else:
+                self._install(name, m)
         self.created = int(time.time())
+
+    def _install(self, name: str, m) -> None:
+        labels = dict(on_step=self.metrics.batch.labels(name).observe)
+        if m.kind == "lm":
+            engine = Engine(m, self.max_batch, self.max_queue, compile=self.compile,
+                            on_first_token=self.metrics.ttft.labels(name).observe, **labels)
+        elif m.kind == "translation":
+            engine = TranslationEngine(m, self.max_batch, self.max_queue, compile=self.compile, **labels)
+        else:
+            engine = BatchEngine(m, max(64, self.max_batch), self.max_queue, **labels)
+        self.metrics.queue.labels(name).set_function(lambda e=engine: e.queue_depth)
+        self.engines[name] = engine
+        self.models[name] = m
+        self.loading.pop(name, None)
+
+    def load_in_background(self) -> None:
+        """Load the models given as functions, one after the other, in a thread."""
+        def work():
+            for name, load in self._loaders.items():
+                try:
+                    self._install(name, load())
+                except Exception as e:  # the others still load; requests for this one get 503
+                    self.loading[name] = f"failed to load: {type(e).__name__}: {e}"
+                    if self.on_load_error:
+                        self.on_load_error(name, e)
+        if self._loaders:
+            threading.Thread(target=work, name="attnlab-load", daemon=True).start()
 
     def model(self, name: str | None, *kinds: str, what: str):
         if name is None:  # attnlab's own routes: the only model of the kind may be left out
             fits = [n for n, m in self.models.items() if m.kind in kinds]
             if len(fits) != 1:
+                if not fits and self.loading:
+                    raise APIError(503, f"models are still loading: {sorted(self.loading)}", "server_error",
+                                   code="model_loading")
                 raise APIError(400, f"give the model for {what}: one of {fits}" if fits else
                                f"no loaded model can do {what}", param="model")
             name = fits[0]
+        if name in self.loading:
+            raise APIError(503, f"the model {name!r} is not ready: {self.loading[name]}", "server_error",
+                           param="model", code="model_loading")
         if name not in self.models:
             raise APIError(404, f"the model {name!r} does not exist; loaded: {sorted(self.models)}",
                            param="model", code="model_not_found")
@@ -182,29 +220,63 @@ class Server:
             raise APIError(400, f"{name} is a {m.kind} model: {what} needs a {' or '.join(kinds)} model", param="model")
         return name, m
 
-    async def locked(self, name: str, fn, *args):
-        def call():
-            import torch
-            with self.locks[name], torch.inference_mode():
-                return fn(*args)
+    def submit(self, name: str, job):
         try:
-            return await asyncio.to_thread(call)
+            return self.engines[name].submit(job)
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_exceeded", code="queue_full") from None
+
+    async def run(self, name: str, http, jobs: list):
+        """The results of jobs submitted to ``name``'s engine, in order. A ValueError the model raises is
+        the client's (400); a client that goes away takes its jobs out of the batch."""
+        try:
+            return await _unless_disconnected(http, asyncio.gather(*(j.result() for j in jobs)), jobs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+
+    async def batch(self, name: str, http, fn, inputs: list):
+        job = self.submit(name, Batch(inputs=inputs, fn=fn, loop=asyncio.get_running_loop(), queue=asyncio.Queue()))
+        return (await self.run(name, http, [job]))[0]
 
     def close(self) -> None:
         for e in self.engines.values():
             e.close()
 
 
-def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body: int = MAX_BODY) -> FastAPI:
-    """The FastAPI app serving ``models`` (alias → ``LoadedModel``)."""
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def _unless_disconnected(http, work, jobs: list, poll: float = 0.2):
+    """Await ``work``; if the client disconnects first, cancel its jobs (they leave the batch at the next
+    step) and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
+            if http is not None and await http.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            for j in jobs:
+                j.cancel()
+            task.cancel()
+
+
+def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body: int = MAX_BODY,
+               compile: bool = False, on_load_error=None) -> FastAPI:
+    """The FastAPI app serving ``models``: alias → ``LoadedModel``, or → a function returning one (loaded
+    in the background once the server runs; 503 for its requests until then; ``on_load_error(name,
+    exception)`` hears of a failure). ``compile`` compiles the engines' decoding steps."""
     from contextlib import asynccontextmanager
 
-    server = Server(models, max_batch, max_queue)
+    server = Server(models, max_batch, max_queue, compile=compile, on_load_error=on_load_error)
 
     @asynccontextmanager
     async def lifespan(app):
+        server.load_in_background()
         yield
         server.close()
 
@@ -215,6 +287,10 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return e.response()
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, e: ClientGone):  # nobody reads it; logged as 499 (nginx's "client closed request")
+        return error_response(499, "the client closed the connection", code="client_closed_request")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
@@ -239,9 +315,11 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
     # -- facts ------------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {"status": "ok", "models": {n: m.kind for n, m in server.models.items()},
+        body = {"status": "loading" if server.loading else "ok", "models": {n: m.kind for n, m in server.models.items()},
+                "loading": dict(server.loading),
                 "queue": {n: e.queue_depth for n, e in server.engines.items()},
                 "batch": {n: e.batch_size for n, e in server.engines.items()}}
+        return JSONResponse(body, status_code=503 if server.loading else 200)
 
     @app.get("/metrics")
     async def metrics():
@@ -254,13 +332,16 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str):
+        if name in server.loading:
+            raise APIError(503, f"the model {name!r} is not ready: {server.loading[name]}", "server_error",
+                           param="model", code="model_loading")
         if name not in server.models:
             raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
         return _model_card(name, server.models[name], server.created)
 
     # -- generation -------------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, http: HTTPRequest):
         name, m = server.model(body.model, "lm", what="chat completions")
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
@@ -274,10 +355,10 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         max_new = body.max_completion_tokens or body.max_tokens
-        return await _generate(server, name, m, [ids], body, max_new, chat=True)
+        return await _generate(server, name, m, [ids], body, max_new, chat=True, http=http)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, http: HTTPRequest):
         name, m = server.model(body.model, "lm", what="completions")
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompts:
@@ -286,17 +367,17 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
             ids = [m.prompt_ids(p) for p in prompts]
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
-        return await _generate(server, name, m, ids, body, body.max_tokens, chat=False)
+        return await _generate(server, name, m, ids, body, body.max_tokens, chat=False, http=http)
 
     # -- encoders and translators -----------------------------------------------------------------------------
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest):
+    async def embeddings(body: EmbeddingRequest, http: HTTPRequest):
         name, m = server.model(body.model, "embedding", "classify", "mlm", what="embeddings")
         texts = [body.input] if isinstance(body.input, str) else body.input
         if not texts or any(not t for t in texts):
             raise APIError(400, "input must be one or more non-empty texts", param="input")
         lengths = _check_lengths(name, m, texts, "input")
-        vectors = await server.locked(name, m.embed, texts)
+        vectors = await server.batch(name, http, m.embed, texts)
         server.metrics.tokens.labels(name, "prompt").inc(sum(lengths))
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
@@ -305,16 +386,28 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
                 "usage": {"prompt_tokens": sum(lengths), "total_tokens": sum(lengths)}}
 
     @app.post("/v1/translate")
-    async def translate(body: TranslateRequest):
+    async def translate(body: TranslateRequest, http: HTTPRequest):
         from ..generate.search import GenerationConfig
         name, m = server.model(body.model, "translation", what="translation")
-        _check_lengths(name, m, [m.task.get("source_prefix", "") + t for t in body.texts], "texts", eos=True)
-        cfg = GenerationConfig(num_beams=body.beam, length_penalty=body.lenpen, max_new_tokens=body.max_len)
-        out = await server.locked(name, m.translate, body.texts, cfg)
-        return {"model": name, "translations": out}
+        sources = m.tokenizer.encode_batch([m.task.get("source_prefix", "") + t for t in body.texts], eos=True)
+        _check_lengths(name, m, sources, "texts")
+        loop, jobs = asyncio.get_running_loop(), []
+        try:
+            for src in sources:  # one job per sentence: each joins the running batch on its own
+                cfg = GenerationConfig(num_beams=body.beam, length_penalty=body.lenpen, max_new_tokens=body.max_len)
+                jobs.append(server.submit(name, TranslationJob(src=src, cfg=cfg, loop=loop, queue=asyncio.Queue())))
+        except APIError:
+            for j in jobs:
+                j.cancel()
+            raise
+        nbest = await server.run(name, http, jobs)
+        server.metrics.tokens.labels(name, "prompt").inc(sum(map(len, sources)))
+        server.metrics.tokens.labels(name, "completion").inc(sum(len(h[0].tokens) for h in nbest))
+        return {"model": name, "translations": [m.tgt_tokenizer.decode(h[0].tokens) for h in nbest],
+                "scores": [h[0].score for h in nbest]}
 
     @app.post("/v1/attention")
-    async def attention(body: AttentionRequest):
+    async def attention(body: AttentionRequest, http: HTTPRequest):
         from ..generate.search import GenerationConfig
         name, m = server.model(body.model, "translation", what="attention maps")
         n = len(m.tokenizer.encode(body.text))
@@ -327,7 +420,10 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
             if translation is None:
                 translation = m.translate([body.text], GenerationConfig(num_beams=body.beam))[0]
             return m.attention(body.text, translation)
-        out = await server.locked(name, maps)
+        try:  # on the model's own thread, between two steps of its translation batch
+            out = await server.engines[name].call(maps)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
         return {"model": name, "translation": out["translation"], "src_tokens": out["src_tokens"],
                 "tgt_in_tokens": out["tgt_in_tokens"],
                 **{k: [layer.round(decimals=5).tolist() for layer in out[k]] for k in ("encoder", "decoder", "cross")}}
@@ -340,17 +436,17 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
         return HTMLResponse(PAGE)
 
     @app.post("/v1/classify")
-    async def classify(body: ClassifyRequest):
+    async def classify(body: ClassifyRequest, http: HTTPRequest):
         name, m = server.model(body.model, "classify", what="classification")
-        out = await server.locked(name, m.classify, body.texts)
+        out = await server.batch(name, http, m.classify, body.texts)
         return {"model": name, "results": [{"label": label, "probability": float(p)} for label, p in out]}
 
     return app
 
 
-def _check_lengths(name: str, m, texts: list[str], param: str, eos: bool = False) -> list[int]:
-    """Token counts of the texts; one past the model's positions is a 400."""
-    lengths = [len(ids) for ids in m.tokenizer.encode_batch(texts, eos=eos)]
+def _check_lengths(name: str, m, texts: list, param: str, eos: bool = False) -> list[int]:
+    """Token counts of the texts (or of token id lists); one past the model's positions is a 400."""
+    lengths = [len(ids) for ids in (m.tokenizer.encode_batch(texts, eos=eos) if isinstance(texts[0], str) else texts)]
     if max(lengths) > m.config.max_len:
         raise APIError(400, f"a text is {max(lengths)} tokens; {name} reads at most {m.config.max_len}",
                        param=param, code="context_length_exceeded")
@@ -365,7 +461,7 @@ def _model_card(name: str, m, created: int) -> dict:
 # -- generation through the engine ---------------------------------------------------------------------------
 
 async def _generate(server: Server, name: str, m, prompts: list[list[int]], body: _Sampling,
-                    max_new: int | None, chat: bool):
+                    max_new: int | None, chat: bool, http=None):
     context = m.config.max_len
     for ids in prompts:
         if not ids:
@@ -395,7 +491,7 @@ async def _generate(server: Server, name: str, m, prompts: list[list[int]], body
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + j
                 req = Request(ids, max_new or context - len(ids), temperature, body.top_p or 1.0, seed,
-                              loop, asyncio.Queue())
+                              loop=loop, queue=asyncio.Queue())
                 gens.append(_Generation(m, req, stops))
                 engine.submit(req)
     except QueueFull as e:
@@ -412,8 +508,9 @@ async def _generate(server: Server, name: str, m, prompts: list[list[int]], body
         return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
 
     if not body.stream:
-        try:
-            results = await asyncio.gather(*(g.collect() for g in gens))
+        try:  # a client that goes away takes its requests out of the batch
+            results = await _unless_disconnected(http, asyncio.gather(*(g.collect() for g in gens)),
+                                                 [g.req for g in gens])
         except RuntimeError as e:
             raise APIError(500, str(e), "server_error") from None
         finally:
@@ -512,7 +609,7 @@ class _Generation:
                     yield "", value
                     return
                 else:
-                    raise RuntimeError(value)
+                    raise RuntimeError(f"{type(value).__name__}: {value}" if isinstance(value, Exception) else value)
         finally:
             self.req.cancel()
 

@@ -1,7 +1,16 @@
-"""Continuous batching for decoder-only models: one background thread per model owns the network;
-requests join the running decode batch between steps and leave it when they finish.
+"""Continuous batching: one background thread per model owns the network; requests join the running
+batch between steps and leave it when they finish. Three engines share that loop (``_EngineLoop``):
 
-How a step works. The batch keeps one KV cache for all its rows (per layer, K/V of shape
+* :class:`Engine` — decoder-only language models, one token per step for every request;
+* :class:`TranslationEngine` — encoder-decoder translation, beam search included: every request
+  brings its K beams as K rows of the shared decoder batch and runs its own ``BeamSearch``;
+* :class:`BatchEngine` — encoders (embeddings, classification): the requests that are waiting when
+  the model is free are run as one batch.
+
+Anything else that must touch a model (the attention maps of ``/v1/attention``) is a :class:`Call`
+run on the model's own thread between two steps, so no two threads ever use one model at once.
+
+The decoder-only engine. How a step works: The batch keeps one KV cache for all its rows (per layer, K/V of shape
 (rows, kv_heads, length, head_dim)), *right-aligned*: every row's last token sits in the last
 column, and a row shorter than the longest is left-padded, with a key mask (rows, length) marking
 its real tokens. That is exactly the layout ``DecoderOnly.forward`` already accepts for
@@ -34,11 +43,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
+from ..accel import compiled_step
 from ..generate.processors import LogitsProcessor, top_k_top_p
-from ..generate.search import GenerationConfig
+from ..generate.search import BeamSearch, GenerationConfig
 
 
 class QueueFull(Exception):
@@ -48,30 +59,18 @@ class QueueFull(Exception):
 _ids = itertools.count()
 
 
-@dataclass
-class Request:
-    """One generation: prompt ids, a budget and sampling options. Events come back on ``queue``
-    (an asyncio.Queue of the caller's loop): ("token", id), then ("done", "stop"|"length"), or
-    ("error", message)."""
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0          # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
+@dataclass(kw_only=True)
+class Job:
+    """What every engine request has: where its events go and whether its caller still wants them.
+    Events come back on ``queue`` (an asyncio.Queue of the caller's loop)."""
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue | None = None
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    generated: list[int] = field(default_factory=list)
-    # set by the engine
-    _gen: torch.Generator | None = None
-    _process: LogitsProcessor | None = None
-    _cfg: GenerationConfig | None = None
 
     def cancel(self) -> None:
-        """The caller no longer wants tokens (a stop string, a disconnect): leave the batch."""
+        """The caller no longer wants results (a stop string, a disconnect): leave the batch."""
         self.cancelled = True
 
     def _emit(self, event: tuple) -> None:
@@ -81,30 +80,73 @@ class Request:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 self.cancelled = True
 
+    async def result(self):
+        """The value of the ("done", value) event (for engines that answer once); an error the engine
+        met is raised here, in the caller."""
+        kind, value = await self.queue.get()
+        if kind == "error":
+            raise value
+        return value
 
-class Engine:
-    """Continuous batching over one ``DecoderOnly`` model (``LoadedModel`` of kind ``lm``)."""
 
-    def __init__(self, model, max_batch: int = 16, max_queue: int = 256, on_step=None, on_first_token=None):
+@dataclass
+class Request(Job):
+    """One generation of a language model: prompt ids, a budget and sampling options. Events:
+    ("token", id) ..., then ("done", "stop"|"length"), or ("error", exception)."""
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0          # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    first_token_at: float | None = None
+    generated: list[int] = field(default_factory=list)
+    # set by the engine
+    _gen: torch.Generator | None = None
+    _process: LogitsProcessor | None = None
+    _cfg: GenerationConfig | None = None
+
+
+@dataclass
+class TranslationJob(Job):
+    """One source sentence (ids, EOS included) and its search options. Event: ("done", n-best
+    hypotheses, best first) or ("error", exception)."""
+    src: list[int]
+    cfg: GenerationConfig
+    search: BeamSearch | None = None  # set by the engine
+
+
+@dataclass
+class Call(Job):
+    """A function to run on the model's own thread between two steps. Event: ("done", its value)."""
+    fn: Callable[[], Any]
+    rows: int = 0
+
+
+@dataclass
+class Batch(Job):
+    """Inputs for a batched function (``LoadedModel.embed`` or ``.classify``). Event: ("done", one output
+    per input)."""
+    inputs: list
+    fn: Callable[[list], Any]
+
+
+class _EngineLoop:
+    """The thread, the waiting queue and the step loop that every engine shares. Subclasses say how
+    a job joins the batch (``_admit``), what one step does (``_step``) and how finished rows leave
+    (``_drop_finished``)."""
+
+    def __init__(self, model, max_batch: int = 16, max_queue: int = 256):
         self.model = model                     # LoadedModel
         self.net = model.module
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.eos_id = self.net.config.eos_id
-        self.pad_id = self.net.config.pad_id
-        self.on_step = on_step                 # callback(batch_size) after every decode step
-        self.on_first_token = on_first_token   # callback(seconds from submit to first token)
-        self._pending: deque[Request] = deque()
+        self._pending: deque[Job] = deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
-        # the batch
-        self._rows: list[Request] = []
-        self._cache = None
-        self._mask: torch.Tensor | None = None     # (rows, length) bool: real tokens
-        self._last: torch.Tensor | None = None     # (rows,) newest token of each row
+        self._rows: list[Job] = []             # the jobs in the running batch
         self.steps = 0
 
-    # -- the caller's side (any thread) -----------------------------------------------------------------
+    # -- the caller's side (any thread) ---------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:
         return len(self._pending)
@@ -113,15 +155,20 @@ class Engine:
     def batch_size(self) -> int:
         return len(self._rows)
 
-    def submit(self, req: Request) -> Request:
+    def submit(self, job: Job) -> Job:
         with self._cv:
             free = max(0, self.max_batch - len(self._rows))  # requests that join at the next step do not wait
             if len(self._pending) - free >= self.max_queue:
                 raise QueueFull(f"the queue of {self.model.name} is full ({self.max_queue} waiting requests)")
-            self._pending.append(req)
+            self._pending.append(job)
             self._start()
             self._cv.notify()
-        return req
+        return job
+
+    async def call(self, fn: Callable[[], Any]):
+        """``fn()`` on the model's thread, between two steps of the batch; its value."""
+        job = self.submit(Call(fn=fn, loop=asyncio.get_running_loop(), queue=asyncio.Queue()))
+        return await job.result()
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -148,24 +195,79 @@ class Engine:
                     admit = []
                     while self._pending and len(self._rows) + len(admit) < self.max_batch:
                         admit.append(self._pending.popleft())
-                for req in admit:
+                for job in admit:
+                    if job.cancelled:
+                        continue
                     try:
-                        if not req.cancelled:
-                            self._prefill(req)
+                        if isinstance(job, Call):
+                            job._emit(("done", job.fn()))
+                        else:
+                            self._admit(job)
                     except Exception as e:  # this request fails; the batch goes on
-                        req._emit(("error", f"{type(e).__name__}: {e}"))
+                        job._emit(("error", e))
                 try:
                     self._drop_finished()
                     if self._rows:
                         self._step()
+                        self.steps += 1
                         self._drop_finished()
                 except Exception as e:  # a bug or out of memory: fail the batch, keep serving
-                    for req in self._rows:
-                        req._emit(("error", f"{type(e).__name__}: {e}"))
+                    for job in self._rows:
+                        job._emit(("error", e))
                     self._reset()
-            for req in list(self._rows) + list(self._pending):
-                req._emit(("error", "the server is shutting down"))
+            for job in list(self._rows) + list(self._pending):
+                job._emit(("error", RuntimeError("the server is shutting down")))
             self._reset()
+
+    def _reset(self) -> None:
+        self._rows = []
+
+    def _admit(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _drop_finished(self) -> None:
+        raise NotImplementedError
+
+
+def _splice(old: torch.Tensor, new: torch.Tensor, old_len: int, new_len: int, room: int) -> tuple[torch.Tensor, int]:
+    """Stack two right-aligned caches (rows, kv, ·, hd) into one of ``max`` length (+ ``room`` free
+    columns); the shorter one is left-padded with zeros (masked out by the caller)."""
+    N = max(old_len, new_len)
+    out = old.new_zeros(old.shape[0] + new.shape[0], old.shape[1], N + room, old.shape[3])
+    out[: old.shape[0], :, N - old_len: N] = old[:, :, :old_len]
+    out[old.shape[0]:, :, N - new_len: N] = new[:, :, :new_len]
+    return out, N
+
+
+def _cut_left(cache, mask: torch.Tensor) -> torch.Tensor:
+    """Columns that are padding in every row (their requests left): cut them off the left."""
+    first = int(mask.any(0).long().argmax())
+    if first:
+        for c, _ in cache.layers:
+            c.k, c.v, c.length = c.k[:, :, first:], c.v[:, :, first:], c.length - first
+        mask = mask[:, first:]
+    return mask
+
+
+class Engine(_EngineLoop):
+    """Continuous batching over one ``DecoderOnly`` model (``LoadedModel`` of kind ``lm``)."""
+
+    def __init__(self, model, max_batch: int = 16, max_queue: int = 256, on_step=None, on_first_token=None,
+                 compile: bool = False):
+        super().__init__(model, max_batch, max_queue)
+        # the one-token step may be compiled (``accel.compiled_step``: dynamic shapes; eager where that is
+        # faster or impossible); the prefill stays eager
+        self.decode = compiled_step(self.net, self.net) if compile else self.net
+        self.eos_id = self.net.config.eos_id
+        self.pad_id = self.net.config.pad_id
+        self.on_step = on_step                 # callback(batch_size) after every decode step
+        self.on_first_token = on_first_token   # callback(seconds from submit to first token)
+        self._cache = None
+        self._mask: torch.Tensor | None = None     # (rows, length) bool: real tokens
+        self._last: torch.Tensor | None = None     # (rows,) newest token of each row
 
     def _reset(self) -> None:
         self._rows, self._cache, self._mask, self._last = [], None, None, None
@@ -194,7 +296,7 @@ class Engine:
             return False
         return True
 
-    def _prefill(self, req: Request) -> None:
+    def _admit(self, req: Request) -> None:
         """The prompt alone (batch of one, as ``generate`` runs it), then its K/V join the batch."""
         cfg = GenerationConfig(do_sample=req.temperature > 0, temperature=req.temperature or 1.0, top_p=req.top_p,
                                seed=req.seed, max_new_tokens=req.max_new_tokens)
@@ -222,18 +324,11 @@ class Engine:
             self._mask = torch.ones(1, P, dtype=torch.bool, device=dev)
             self._last = torch.tensor([token], device=dev)
             return
-        L = self._cache.length
-        N = max(L, P)
-        B = len(self._rows)
-        room = N + 64
+        L, B = self._cache.length, len(self._rows)
         for (bc, _), (nc, _) in zip(self._cache.layers, cache.layers):
-            shape = (B + 1, bc.k.shape[1], room, bc.k.shape[3])
-            k, v = bc.k.new_zeros(shape), bc.v.new_zeros(shape)
-            k[:B, :, N - L: N] = bc.k[:, :, :L]
-            v[:B, :, N - L: N] = bc.v[:, :, :L]
-            k[B:, :, N - P: N] = nc.k[:, :, :P]
-            v[B:, :, N - P: N] = nc.v[:, :, :P]
-            bc.k, bc.v, bc.length = k, v, N
+            bc.k, N = _splice(bc.k, nc.k, L, P, 64)
+            bc.v, _ = _splice(bc.v, nc.v, L, P, 64)
+            bc.length = N
         mask = torch.zeros(B + 1, N, dtype=torch.bool, device=dev)
         mask[:B, N - L:] = self._mask
         mask[B, N - P:] = True
@@ -246,9 +341,8 @@ class Engine:
         B = len(self._rows)
         mask = torch.cat([self._mask, self._mask.new_ones(B, 1)], 1)
         full = bool(mask.all())
-        logits = self.net(self._last[:, None], None if full else mask, cache=self._cache, last_only=True).float()
+        logits = self.decode(self._last[:, None], None if full else mask, cache=self._cache, last_only=True).float()
         self._mask = mask
-        self.steps += 1
         if self.on_step:
             self.on_step(B)
         # greedy rows without penalties: one argmax for all of them (what _pick does row by row)
@@ -277,12 +371,161 @@ class Engine:
             return
         index = torch.tensor(keep, device=self._last.device)
         self._cache.reorder(index)
-        self._mask = self._mask.index_select(0, index)
+        self._mask = _cut_left(self._cache, self._mask.index_select(0, index))
         self._last = self._last.index_select(0, index)
         self._rows = [self._rows[i] for i in keep]
-        # columns that are padding in every remaining row: cut them off the left
-        first = int(self._mask.any(0).long().argmax())
-        if first:
-            for c, _ in self._cache.layers:
-                c.k, c.v, c.length = c.k[:, :, first:], c.v[:, :, first:], c.length - first
-            self._mask = self._mask[:, first:]
+
+
+class TranslationEngine(_EngineLoop):
+    """Continuous batching of beam search over one ``EncoderDecoder`` (``LoadedModel`` of kind
+    ``translation``).
+
+    A request is encoded alone (as ``translate`` encodes one sentence); its cross-attention K/V are
+    projected once and repeated for its K beams; its K rows then join the shared decoder batch with
+    an empty target history. The batch's self-attention cache is right-aligned exactly as in
+    :class:`Engine` (target positions count real tokens, so a row that joined late computes what it
+    computes alone); the cross-attention K/V of rows with shorter sources are right-padded, with a
+    source mask per row. Every step runs the decoder once for all rows; each request's ``BeamSearch``
+    then picks its K continuations from its own K rows (greedy is K = 1), and one ``reorder`` applies
+    every request's choice, dropping the requests that finished. ``max_batch`` counts requests."""
+
+    def __init__(self, model, max_batch: int = 16, max_queue: int = 256, on_step=None, compile: bool = False):
+        super().__init__(model, max_batch, max_queue)
+        self.decode = compiled_step(self.net, self.net.decode) if compile else self.net.decode
+        cfg = self.net.config
+        self.eos_id, self.pad_id, self.bos_id = cfg.eos_id, cfg.pad_id, cfg.bos_id
+        self.on_step = on_step
+        self._cache = None
+        self._mask: torch.Tensor | None = None      # (rows, target length) bool
+        self._src_mask: torch.Tensor | None = None  # (rows, source length) bool
+        self._last: torch.Tensor | None = None      # (rows,)
+
+    def _reset(self) -> None:
+        self._rows, self._cache, self._mask, self._src_mask, self._last = [], None, None, None, None
+
+    def _admit(self, job: TranslationJob) -> None:
+        net, dev, K = self.net, self.net.device, job.cfg.num_beams
+        if job.cfg.max_new_tokens is None:  # as ``generate``: the source length + 50
+            job.cfg.max_new_tokens = len(job.src) + 50
+        memory = net.encode(torch.tensor([job.src], device=dev))
+        cache = net.new_cache()
+        for layer, (_, cross) in zip(net.decoder.layers, cache.layers):
+            k, v = layer.cross_attn.project_memory(memory)
+            cross.set(k.repeat_interleave(K, 0), v.repeat_interleave(K, 0))
+        job.search = BeamSearch(1, job.cfg, self.eos_id, job.cfg.max_new_tokens, None, self.pad_id, dev)
+        S = len(job.src)
+        last = torch.full((K,), self.bos_id, dtype=torch.long, device=dev)
+        if not self._rows:
+            self._rows, self._cache, self._last = [job], cache, last
+            self._mask = torch.ones(K, 0, dtype=torch.bool, device=dev)
+            self._src_mask = torch.ones(K, S, dtype=torch.bool, device=dev)
+            return
+        R, L, S0 = self._last.shape[0], self._cache.length, self._src_mask.shape[1]
+        for (bs, bx), (_, nx) in zip(self._cache.layers, cache.layers):
+            if bs.k is not None:  # the newcomer has no target history yet: zero columns, masked out
+                bs.k, _ = _splice(bs.k, bs.k.new_zeros(K, *bs.k.shape[1:]), L, 0, 64)
+                bs.v, _ = _splice(bs.v, bs.v.new_zeros(K, *bs.v.shape[1:]), L, 0, 64)
+            S2 = max(S0, S)
+            k = bx.k.new_zeros(R + K, bx.k.shape[1], S2, bx.k.shape[3])  # sources right-padded
+            v = torch.zeros_like(k)
+            k[:R, :, :S0], v[:R, :, :S0] = bx.k, bx.v
+            k[R:, :, :S], v[R:, :, :S] = nx.k, nx.v
+            bx.set(k, v)
+        mask = torch.zeros(R + K, L, dtype=torch.bool, device=dev)
+        mask[:R] = self._mask
+        src_mask = torch.zeros(R + K, max(S0, S), dtype=torch.bool, device=dev)
+        src_mask[:R, :S0] = self._src_mask
+        src_mask[R:, :S] = True
+        self._mask, self._src_mask = mask, src_mask
+        self._last = torch.cat([self._last, last])
+        self._rows.append(job)
+
+    def _step(self) -> None:
+        R = self._last.shape[0]
+        mask = torch.cat([self._mask, self._mask.new_ones(R, 1)], 1)
+        src_mask = None if self._src_mask.all() else self._src_mask
+        logits = self.decode(self._last[:, None], None, src_mask, None if mask.all() else mask,
+                             cache=self._cache, last_only=True).float()
+        self._mask = mask
+        if self.on_step:
+            self.on_step(len(self._rows))
+        index, tokens, offset, dropped = [], [], 0, False
+        for job in self._rows:
+            K = job.cfg.num_beams
+            step = None if job.cancelled else job.search.advance(logits[offset: offset + K])
+            if step is None:
+                if not job.cancelled:
+                    job._emit(("done", job.search.results()[0]))
+                job.cancelled, dropped = True, True
+            else:
+                rows, tok = step
+                index.append(rows + offset)
+                tokens.append(tok)
+            offset += K
+        if not index:
+            self._reset()
+            return
+        index = torch.cat(index)
+        if dropped or not torch.equal(index, torch.arange(R, device=index.device)):
+            self._cache.reorder(index, cross=dropped)  # beams move within their request: cross K/V stay
+            self._mask = self._mask.index_select(0, index)
+            if dropped:
+                self._src_mask = self._src_mask.index_select(0, index)
+        self._last = torch.cat(tokens)
+        if dropped:
+            self._rows = [j for j in self._rows if not j.cancelled]
+            self._mask = _cut_left(self._cache, self._mask)
+
+    def _drop_finished(self) -> None:
+        """Requests whose caller left before a step dropped them: drop them now."""
+        if not any(j.cancelled for j in self._rows):
+            return
+        index, offset, keep = [], 0, []
+        for job in self._rows:
+            K = job.cfg.num_beams
+            if not job.cancelled:
+                index.append(torch.arange(offset, offset + K))
+                keep.append(job)
+            offset += K
+        if not keep:
+            self._reset()
+            return
+        index = torch.cat(index).to(self._last.device)
+        self._cache.reorder(index, cross=True)
+        self._mask = _cut_left(self._cache, self._mask.index_select(0, index))
+        self._src_mask = self._src_mask.index_select(0, index)
+        self._last = self._last.index_select(0, index)
+        self._rows = keep
+
+
+class BatchEngine(_EngineLoop):
+    """Encoders (embeddings, classification): the requests waiting when the model is free are run
+    together, one call of their function over all their inputs (the function batches by length
+    itself). ``max_batch`` counts requests."""
+
+    def __init__(self, model, max_batch: int = 64, max_queue: int = 256, on_step=None):
+        super().__init__(model, max_batch, max_queue)
+        self.on_step = on_step
+
+    def _admit(self, job: Batch) -> None:
+        self._rows.append(job)
+
+    def _step(self) -> None:
+        jobs, self._rows = self._rows, []
+        if self.on_step:
+            self.on_step(len(jobs))
+        for fn in dict.fromkeys(j.fn for j in jobs):  # embed and classify requests: one call each
+            group = [j for j in jobs if j.fn == fn]
+            try:
+                out = fn([x for j in group for x in j.inputs])
+            except Exception as e:
+                for j in group:
+                    j._emit(("error", e))
+                continue
+            start = 0
+            for j in group:
+                j._emit(("done", out[start: start + len(j.inputs)]))
+                start += len(j.inputs)
+
+    def _drop_finished(self) -> None:
+        self._rows = [j for j in self._rows if not j.cancelled]
