@@ -75,6 +75,7 @@ def test_attention_maps_have_the_shapes_of_the_sentence(dirs):
     m = attnlab.load(dirs["translation"], device="cpu")
     maps = m.attention("I love coding.", translation="我")
     S, T = len(maps["src_tokens"]), len(maps["tgt_in_tokens"])
+    assert T == len(m.tgt_tokenizer.encode("我")) + 1  # BOS + the translation: one row per decoding step
     assert maps["cross"][0].shape == (2, T, S) and maps["encoder"][0].shape == (2, S, S)
     assert torch.allclose(maps["cross"][0].sum(-1), torch.ones(2, T), atol=1e-5)
 

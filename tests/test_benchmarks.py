@@ -20,3 +20,20 @@ def test_train_speed_runs_one_step():
     row = r["tiny_fp32"]
     assert {"attnlab", "hf_marian", "torch_nn_transformer"} <= set(row)
     assert row["attnlab"]["ms_per_step"] > 0 and row["attnlab_vs_hf"] > 0 and r["matmul_peak_GFLOPs_fp32"] > 0
+
+
+def test_serve_load_smoke(tmp_path):
+    """benchmarks/serve_load.py --smoke: attnlab serve on a tiny model, 1 and 2 clients, a row per level."""
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--smoke", "--workdir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:] + res.stdout[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    s = r["servers"]["attnlab"]
+    assert s["status"] == "ok", s
+    assert [row["clients"] for row in s["levels"]] == [1, 2]
+    for row in s["levels"]:
+        assert row["errors"] == 0 and row["completed"] == row["requests"] == 2 and row["mixed"] == 0
+        assert row["out_tok_s"] > 0 and row["req_s"] > 0 and row["ttft_p50_ms"] is not None
+    assert r["ratios"]["targets"]["zero_errors"] is True

@@ -80,7 +80,7 @@ class LoadedModel:
         from .inspect.attention import attention_maps
         self._need("translation", call="attention")
         translation = translation if translation is not None else self.translate([text])[0]
-        ids = self.tgt_tokenizer.encode(translation) + [self.tgt_tokenizer.eos_id]
+        ids = self.tgt_tokenizer.encode(translation)  # decoder input BOS y1..yn: its last row is the one that chose EOS
         source = self.task.get("source_prefix", "") + text  # what the encoder reads (translate adds it too)
         maps = attention_maps(self.module, self.tokenizer, self.tgt_tokenizer, source, ids)
         maps["translation"] = translation

@@ -428,6 +428,10 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
                 "tgt_in_tokens": out["tgt_in_tokens"],
                 **{k: [layer.round(decimals=5).tolist() for layer in out[k]] for k in ("encoder", "decoder", "cross")}}
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon():  # none: say so without a 404 in every browser's console
+        return Response(status_code=204)
+
     @app.get("/", include_in_schema=False)
     async def page():
         from fastapi.responses import HTMLResponse

@@ -15,6 +15,7 @@ PAGE = r"""<!doctype html>
  table.heat{border-collapse:collapse;font-size:12px;margin-top:.5em} table.heat td{width:22px;height:22px;border:1px solid #fff}
  table.heat th{font-weight:normal;padding:0 4px;white-space:nowrap} table.heat thead th{writing-mode:vertical-rl;transform:rotate(180deg);text-align:left}
  #hover{min-height:1.4em;font-family:monospace}
+ [hidden]{display:none!important} /* else .row's display:flex shows the hidden #pickers */
 </style></head><body>
 <h1>attnlab serve</h1>
 <section id="chat"><h2>Chat</h2>
@@ -36,7 +37,7 @@ PAGE = r"""<!doctype html>
 </section>
 <script>
 const $ = id => document.getElementById(id);
-let history = [], maps = null;
+let history = [], maps = null, contexts = {};
 async function api(path, body) {
   const r = await fetch(path, body === undefined ? {} : {method: "POST", headers: {"content-type": "application/json"}, body: JSON.stringify(body)});
   const j = await r.json();
@@ -48,11 +49,16 @@ async function models() {
   const list = (await api("/v1/models")).data;
   const lms = list.filter(m => m.kind === "lm"), mts = list.filter(m => m.kind === "translation");
   fill($("chatModel"), lms.map(m => [m.id, m.id])); fill($("mtModel"), mts.map(m => [m.id, m.id]));
+  for (const m of list) contexts[m.id] = m.context_length;
+  fitMaxTokens();
   $("chat").hidden = !lms.length; $("mt").hidden = !mts.length;
 }
 function line(cls, text) { const d = document.createElement("div"); d.className = cls; d.textContent = text; $("log").appendChild(d); $("log").scrollTop = 1e9; return d; }
+function fitMaxTokens() {  // a budget past the model's context would only get a 400
+  const ctx = contexts[$("chatModel").value]; if (ctx && +$("maxTok").value >= ctx) $("maxTok").value = Math.floor(ctx / 2);
+}
 async function send() {
-  const text = $("msg").value.trim(); if (!text) return;
+  const text = $("msg").value.trim(); if (!text || $("send").disabled) return;  // one reply at a time
   $("msg").value = ""; history.push({role: "user", content: text}); line("user", "you: " + text);
   const out = line("assistant", ""); let reply = ""; $("send").disabled = true; $("chatStatus").textContent = "…";
   try {
@@ -72,7 +78,7 @@ async function send() {
       }
     }
     history.push({role: "assistant", content: reply});
-  } catch (e) { line("err", "error: " + e.message); history.pop(); }
+  } catch (e) { if (!reply && out.remove) out.remove(); line("err", "error: " + e.message); history.pop(); }
   $("send").disabled = false;
 }
 async function translate() {
@@ -99,12 +105,12 @@ function draw() {
   grid.forEach((row, i) => { const tr = body.insertRow(); const th = document.createElement("th"); th.textContent = q[i]; tr.appendChild(th);
     row.forEach((v, j) => { const td = tr.insertCell(); td.style.background = `rgba(20,80,200,${v})`;
       td.onmouseenter = () => { $("hover").textContent = `${q[i]} → ${k[j]}: ${v.toFixed(3)}`; }; }); });
-  $("heat").innerHTML = ""; $("heat").appendChild(t);
+  $("heat").innerHTML = ""; $("heat").appendChild(t); $("hover").textContent = "";
 }
 $("send").onclick = send; $("go").onclick = translate; $("clear").onclick = () => { history = []; $("log").innerHTML = ""; };
 $("msg").onkeydown = e => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); } };
 $("src").onkeydown = e => { if (e.key === "Enter") translate(); };
-$("kind").onchange = () => { layers(); draw(); }; $("layer").onchange = draw; $("head").onchange = draw;
+$("chatModel").onchange = fitMaxTokens; $("kind").onchange = () => { layers(); draw(); }; $("layer").onchange = draw; $("head").onchange = draw;
 models().catch(e => line("err", "error: " + e.message));
 </script></body></html>
 """
