@@ -4,7 +4,10 @@ Two workloads: one SmolLM2-135M decode step (the 211 matrix-vector products of i
 output projection, batch 1) and the (rows × 256) products of batched translation with the issue's
 Marian-size model (64 sentences greedy, 256 rows for beam 4). fp32 and bf16; best of N.
 
-    python benchmarks/linear_kernels.py [--repeats 10]
+    python benchmarks/linear_kernels.py [--repeats 10] [--as-avx2]
+
+--as-avx2 caps PyTorch, oneDNN and MKL at AVX2 (``accel.AVX2_ENVIRONMENT``): the stand-in for an
+AVX2-only CPU (bf16 rows are then left out: no native bf16).
 """
 
 import argparse
@@ -24,12 +27,16 @@ MARIAN = [(256, 768), (256, 256), (256, 256), (256, 1024), (1024, 256)] * 3 + [(
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--as-avx2", action="store_true", help="cap PyTorch, oneDNN and MKL at AVX2 (and no native bf16)")
     args = ap.parse_args()
+    if args.as_avx2:
+        accel.restart_capped_at_avx2()
     torch.manual_seed(0)
-    results = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(),
+               "torch": torch.__version__}
     for name, shapes, rows in (("smollm2_decode_step", SMOLLM2, 1), ("marian_step_64_rows", MARIAN, 64),
                                ("marian_step_256_rows", MARIAN, 256)):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32,) + ((torch.bfloat16,) if accel.bf16_native("cpu") else ()):
             layers = [Linear(i, o, bias=False).to(dtype) for i, o in shapes]
             xs = {i: torch.randn(rows, i, dtype=dtype) for i, _ in shapes}
             with torch.inference_mode():

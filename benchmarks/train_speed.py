@@ -1,4 +1,4 @@
-"""One full training step (forward, backward, AdamW) of the same seq2seq architecture, side by side:
+"""One full training step (forward, backward, AdamW: attnlab's fused kernel, torch's default for the others) of the same seq2seq architecture, side by side:
 attnlab (a copy of the HF model made with ``from_hf``, so the weights are equal), Hugging Face
 ``MarianMTModel`` and ``torch.nn.Transformer`` (PyTorch's translation-tutorial model: embeddings ×√d,
 sinusoidal positions, nn.Transformer, output projection). fp32, and bf16 autocast where the CPU has
@@ -21,6 +21,7 @@ from torch import nn
 
 from attnlab import accel
 from attnlab.interop.hf import from_hf
+from attnlab.train.trainer import make_adamw
 
 SHAPES = {"small": dict(d=256, heads=4, layers=3, ff=1024, batch=64, length=24),
           "large": dict(d=512, heads=8, layers=6, ff=2048, batch=32, length=32),
@@ -93,7 +94,9 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
                 "hf_marian": lambda m: m(input_ids=src, decoder_input_ids=tgt_in).logits}
     out = {}
     for key, model in models.items():
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        # each side's own optimizer: attnlab's trainer takes the fused AdamW kernel where it exists
+        # (train.trainer.make_adamw); HF's Trainer and the PyTorch tutorial use torch's default (foreach)
+        opt = (make_adamw if key == "attnlab" else torch.optim.AdamW)(model.parameters(), lr=1e-4)
 
         def step():
             opt.zero_grad(set_to_none=True)

@@ -252,6 +252,8 @@ def test_concurrent_mixed_requests_equal_served_alone(live, models):
     results = asyncio.run(all_of_them())
     for name, p, n, chat, kw, text in results:  # llama has a chat template: chat requests go through it
         assert text == alone(models[name], p, n, chat=chat and name == "llama", **kw), (name, p, n, chat, kw)
+    engines = live.server.config.app.state.server.engines
+    assert max(engines["lm"].largest_prefill, engines["llama"].largest_prefill) > 1  # left-padded prefills ran
     batches = httpx.get(live.url + "/metrics").text
     assert any(line.startswith('attnlab_batch_size_bucket{le="1.0",model="lm"}') for line in batches.splitlines())
 

@@ -17,6 +17,10 @@ Switches (environment variables, read at every check, so tests can flip them):
   ``--bf16`` falls back to fp32, bf16 weights are not packed);
 * ``ATTNLAB_COMPILE=0`` — never ``torch.compile`` the decode step.
 
+To measure an AVX2-only CPU on a wider one, :data:`AVX2_ENVIRONMENT` also caps PyTorch's own kernels,
+oneDNN and MKL at AVX2 (variables read when torch loads: set them before starting Python, as the
+benchmarks' ``--as-avx2`` does); :func:`cpu_isa` then says "AVX2 (capped on ...)".
+
 ``attnlab doctor`` (or ``python -m attnlab.doctor``) prints all of it for this machine.
 """
 
@@ -102,8 +106,26 @@ def cpu_bf16_native() -> bool:
     return bool({"avx512_bf16", "amx_bf16", "bf16"} & flags)
 
 
+AVX2_ENVIRONMENT = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                    "ATTNLAB_NO_BF16": "1"}
+
+
+def restart_capped_at_avx2() -> None:
+    """Run this Python program again from the start with :data:`AVX2_ENVIRONMENT` (once: a no-op when
+    it is already set). For benchmarks that stand in for an AVX2-only CPU (``--as-avx2``)."""
+    if not all(os.environ.get(k) == v for k, v in AVX2_ENVIRONMENT.items()):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **AVX2_ENVIRONMENT})
+
+
 def cpu_isa() -> str:
     """A short name for the widest vector unit: what a timing should be labelled with."""
+    if all(os.environ.get(k) == v for k, v in AVX2_ENVIRONMENT.items()):
+        return f"AVX2 (capped on {_widest_isa()})"
+    return _widest_isa()
+
+
+def _widest_isa() -> str:
     flags = cpu_flags()
     for name, needs in (("AMX", {"amx_bf16"}), ("AVX-512-BF16", {"avx512_bf16"}), ("AVX-512", {"avx512f"}),
                         ("AVX2", {"avx2"}), ("NEON+BF16", {"asimd", "bf16"}), ("NEON", {"asimd"})):
@@ -361,6 +383,6 @@ def _is_compile_failure(e: Exception) -> bool:
     return isinstance(e, BackendCompilerFailed) or type(e).__module__.startswith(("torch._inductor", "torch._dynamo"))
 
 
-__all__ = ["PackedLinear", "accelerate_for_inference", "compiled_step", "pick_device", "cpu_flags", "cpu_name",
+__all__ = ["AVX2_ENVIRONMENT", "restart_capped_at_avx2", "PackedLinear", "accelerate_for_inference", "compiled_step", "pick_device", "cpu_flags", "cpu_name",
            "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16", "packed_linear_ok", "onednn_linear_ops",
            "cxx_compiler", "can_compile"]

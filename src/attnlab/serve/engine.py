@@ -17,10 +17,10 @@ its real tokens. That is exactly the layout ``DecoderOnly.forward`` already acce
 left-padded batches: positions are counted over real tokens only (``cumsum(mask) - 1``) and the
 padding is masked out of attention, so a padded row computes what the prompt alone computes.
 
-* A new request is **prefilled alone** (batch of one, no padding: the very computation
-  ``attnlab.generate`` does) into its own cache; its first token comes from that prefill. Between
-  two decode steps its K/V are then spliced into the batch cache, left-padded (or the batch is
-  left-padded, if the newcomer is longer).
+* The requests that arrive between two steps are **prefilled together**, left-padded (one request
+  alone: no padding, the very computation ``attnlab.generate`` does), into their own cache; each
+  row's first token comes from that prefill. Their K/V are then spliced into the batch cache,
+  left-padded (or the batch is left-padded, if the newcomers are longer).
 * Each **decode step** feeds the newest token of every row, (rows, 1), one forward for the batch;
   each row then picks its next token with its own options (greedy, or temperature / top-p
   sampling from its own seeded ``torch.Generator``, as ``stream_tokens`` does for one prompt;
@@ -195,16 +195,19 @@ class _EngineLoop:
                     admit = []
                     while self._pending and len(self._rows) + len(admit) < self.max_batch:
                         admit.append(self._pending.popleft())
+                joining = []
                 for job in admit:
                     if job.cancelled:
                         continue
+                    if not isinstance(job, Call):
+                        joining.append(job)
+                        continue
                     try:
-                        if isinstance(job, Call):
-                            job._emit(("done", job.fn()))
-                        else:
-                            self._admit(job)
-                    except Exception as e:  # this request fails; the batch goes on
+                        job._emit(("done", job.fn()))
+                    except Exception as e:
                         job._emit(("error", e))
+                if joining:
+                    self._admit_all(joining)
                 try:
                     self._drop_finished()
                     if self._rows:
@@ -221,6 +224,14 @@ class _EngineLoop:
 
     def _reset(self) -> None:
         self._rows = []
+
+    def _admit_all(self, jobs: list[Job]) -> None:
+        """The jobs that join at this step (one at a time unless an engine does better)."""
+        for job in jobs:
+            try:
+                self._admit(job)
+            except Exception as e:  # this request fails; the batch goes on
+                job._emit(("error", e))
 
     def _admit(self, job: Job) -> None:
         raise NotImplementedError
@@ -268,6 +279,7 @@ class Engine(_EngineLoop):
         self._cache = None
         self._mask: torch.Tensor | None = None     # (rows, length) bool: real tokens
         self._last: torch.Tensor | None = None     # (rows,) newest token of each row
+        self.largest_prefill = 0                   # most prompts prefilled in one forward so far
 
     def _reset(self) -> None:
         self._rows, self._cache, self._mask, self._last = [], None, None, None
@@ -296,10 +308,37 @@ class Engine(_EngineLoop):
             return False
         return True
 
-    def _admit(self, req: Request) -> None:
-        """The prompt alone (batch of one, as ``generate`` runs it), then its K/V join the batch."""
+    def _admit_all(self, reqs: list[Request]) -> None:
+        """Prefill the newcomers together, then splice the rows that go on into the batch."""
+        ok = []
+        for req in reqs:
+            try:
+                self._setup(req)
+                ok.append(req)
+            except Exception as e:
+                req._emit(("error", e))
+        if not ok:
+            return
+        try:
+            cache, mask, tokens = self._prefill(ok)
+        except Exception as e:  # e.g. out of memory for this group: these requests fail, the batch goes on
+            for req in ok:
+                req._emit(("error", e))
+            return
+        going = [i for i, (req, t) in enumerate(zip(ok, tokens)) if self._accept(req, t)]
+        if not going:
+            return
+        if len(going) < len(ok):
+            index = torch.tensor(going, device=mask.device)
+            cache.reorder(index)
+            mask = _cut_left(cache, mask.index_select(0, index))
+        self._join([ok[i] for i in going], cache, mask, [tokens[i] for i in going])
+
+    def _setup(self, req: Request) -> None:
+        """A request's sampling state: what ``stream_tokens`` sets up for one prompt."""
         cfg = GenerationConfig(do_sample=req.temperature > 0, temperature=req.temperature or 1.0, top_p=req.top_p,
                                seed=req.seed, max_new_tokens=req.max_new_tokens)
+        cfg.validate()
         req._cfg = cfg
         dev = self.net.device
         req._gen = torch.Generator(device=dev).manual_seed(req.seed) if req.seed is not None else None
@@ -307,34 +346,41 @@ class Engine(_EngineLoop):
             req._gen = torch.Generator(device=dev)
             req._gen.seed()
         req._process = LogitsProcessor(cfg, self.eos_id, [list(req.prompt)], self.pad_id)
-        cache = self.net.new_cache(len(req.prompt) + req.max_new_tokens + 1)
-        x = torch.tensor([req.prompt], device=dev)
-        logits = self.net(x, None, cache=cache, last_only=True).float()
-        token = self._pick(req, logits)
-        if not self._accept(req, token):
-            return
-        self._join(req, cache, token)
 
-    def _join(self, req: Request, cache, token: int) -> None:
-        """Splice a prefilled request into the right-aligned batch cache."""
-        P = cache.length
+    def _prefill(self, reqs: list[Request]):
+        """One forward over the left-padded prompts (a single prompt: no padding, exactly what
+        ``generate`` runs) → its right-aligned cache, key mask (rows, length) and each row's first token.
+        Positions count real tokens only, so a padded row computes what its prompt alone computes."""
         dev = self.net.device
+        P = max(len(r.prompt) for r in reqs)
+        x = torch.full((len(reqs), P), self.pad_id if self.pad_id is not None else 0, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(reqs), P, dtype=torch.bool, device=dev)
+        for i, r in enumerate(reqs):
+            x[i, P - len(r.prompt):] = torch.tensor(r.prompt, device=dev)
+            mask[i, P - len(r.prompt):] = True
+        cache = self.net.new_cache(P + max(r.max_new_tokens for r in reqs) + 1)
+        self.largest_prefill = max(self.largest_prefill, len(reqs))
+        logits = self.net(x, None if mask.all() else mask, cache=cache, last_only=True).float()
+        return cache, mask, [self._pick(r, logits[i: i + 1]) for i, r in enumerate(reqs)]
+
+    def _join(self, reqs: list[Request], cache, mask: torch.Tensor, tokens: list[int]) -> None:
+        """Splice prefilled rows (their right-aligned cache and key mask) into the batch cache."""
+        dev = self.net.device
+        new_last = torch.tensor(tokens, device=dev)
         if not self._rows:
-            self._rows, self._cache = [req], cache
-            self._mask = torch.ones(1, P, dtype=torch.bool, device=dev)
-            self._last = torch.tensor([token], device=dev)
+            self._rows, self._cache, self._mask, self._last = list(reqs), cache, mask, new_last
             return
-        L, B = self._cache.length, len(self._rows)
+        L, P, B = self._cache.length, cache.length, len(self._rows)
         for (bc, _), (nc, _) in zip(self._cache.layers, cache.layers):
             bc.k, N = _splice(bc.k, nc.k, L, P, 64)
             bc.v, _ = _splice(bc.v, nc.v, L, P, 64)
             bc.length = N
-        mask = torch.zeros(B + 1, N, dtype=torch.bool, device=dev)
-        mask[:B, N - L:] = self._mask
-        mask[B, N - P:] = True
-        self._mask = mask
-        self._last = torch.cat([self._last, torch.tensor([token], device=dev)])
-        self._rows.append(req)
+        joined = torch.zeros(B + len(reqs), N, dtype=torch.bool, device=dev)
+        joined[:B, N - L:] = self._mask
+        joined[B:, N - P:] = mask
+        self._mask = joined
+        self._last = torch.cat([self._last, new_last])
+        self._rows.extend(reqs)
 
     def _step(self) -> None:
         """One token for every row of the batch."""
