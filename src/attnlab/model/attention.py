@@ -103,17 +103,28 @@ def _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p, scale=None):
         # CPU half-precision batched matmuls of this size are slower than casting up (measured on
         # SmolLM2's decode step); fp32 softmax is also the more exact one.
         q, k, v = q.float(), k.float(), v.float()
-    qg = q.reshape(B, kv, (h // kv) * Tq, hd)  # (B, kv, g·Tq, hd)
+    qg = q.reshape(B * kv, (h // kv) * Tq, hd)  # (B·kv, g·Tq, hd)
+    k, v = _fold_heads(k), _fold_heads(v)      # (B·kv, Tk, hd), no copy of a KV cache
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
-    scores = ((qg @ k.transpose(-2, -1)) * scale).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
+    scores = (torch.bmm(qg, k.transpose(1, 2)) * scale).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
     weights = scores.softmax(dim=-1)
     if valid_rows is not None:
         weights = weights.masked_fill(~valid_rows, 0.0)
-    out = F.dropout(weights, dropout_p).view(B, kv, (h // kv) * Tq, Tk) @ v  # (B, kv, g·Tq, hd)
+    out = torch.bmm(F.dropout(weights, dropout_p).view(B * kv, (h // kv) * Tq, Tk), v)  # (B·kv, g·Tq, hd)
     return weights.to(dtype), out.view(B, h, Tq, hd).to(dtype)
+
+
+def _fold_heads(t: torch.Tensor) -> torch.Tensor:
+    """(B, kv, T, hd) → (B·kv, T, hd) for ``bmm``. A KV cache is a view of a larger buffer (B, kv,
+    capacity, hd), which ``reshape`` would copy at every step; its batch and head strides still
+    nest (stride(0) = kv·stride(1)), so the fold is a view of the same memory."""
+    B, kv, T, hd = t.shape
+    if t.stride(0) == kv * t.stride(1) and t.stride(3) == 1:
+        return t.as_strided((B * kv, T, hd), (t.stride(1), t.stride(2), 1))
+    return t.reshape(B * kv, T, hd)
 
 
 # -- KV cache -------------------------------------------------------------------------------------
@@ -149,7 +160,8 @@ class KVCache:
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
     def set(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v, self.length = k, v, k.shape[2]
+        # contiguous once (the projection's permute is not), or every decoding step's bmm copies it
+        self.k, self.v, self.length = k.contiguous(), v.contiguous(), k.shape[2]
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam search reordering, finished rows dropped). Only the
