@@ -2,7 +2,8 @@
 
 Both run in fp32, then both in bf16 (weights cast). A random-init Marian model (d_model 256, 4 heads, 3+3 layers, d_ff 1024, vocab 8000) is built with
 transformers and copied into attnlab with from_hf, so both decode the *same* model. 64 sources of
-length 20; exactly 24 new tokens (min = max = 24); greedy and beam 4; sentences/s, best of N runs.
+length 20; exactly 24 new tokens (min = max = 24); greedy and beam 4; sentences/s, best of N runs
+(the two sides take turns, so a change in the machine's load does not bias the ratio).
 
     python benchmarks/generation_speed.py [--repeats 3] [--threads 2] [--as-avx2]
 
@@ -28,6 +29,20 @@ def best_time(fn, repeats):
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def best_times(fns, repeats):
+    """Best of ``repeats`` for each function, the functions taking turns (A B A B ...), so that a change in
+    the machine's load during the run reaches every side alike instead of biasing the ratio."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def main():
@@ -75,7 +90,7 @@ def main():
                                                                           max_new_tokens=n))
             out_hf, out_ours = run_hf(), run_ours()
             same = [list(r[1:]) for r in out_hf.tolist()] == [s for s in out_ours.sequences]
-            t_hf, t_ours = best_time(run_hf, args.repeats), best_time(run_ours, args.repeats)
+            t_hf, t_ours = best_times([run_hf, run_ours], args.repeats)
         name = ("greedy" if beams == 1 else f"beam{beams}") + ("_bf16" if dtype == torch.bfloat16 else "_fp32")
         results[name] = {"hf_sent_per_s": round(args.batch / t_hf, 1), "attnlab_sent_per_s": round(args.batch / t_ours, 1),
                          "speedup": round(t_hf / t_ours, 2), "identical_outputs": same}
