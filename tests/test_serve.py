@@ -299,6 +299,31 @@ def test_concurrent_translations_and_embeddings_are_batched_and_equal_alone(live
         assert np.abs(got - enc.embed([sources[i % 8], sources[(i + 3) % 8]])).max() < 1e-5
 
 
+@pytest.mark.parametrize("name", ["lm", "llama"])  # learned positions; RoPE with GQA
+def test_prompts_that_share_a_prefix_reuse_its_kv_and_equal_alone(models, name):
+    """A shared start (a system prompt) is computed once: later prompts copy its K/V and prefill only
+    their own tokens; greedy answers still equal the requests served alone."""
+    m = models[name]
+    shared = "the quick brown fox jumps over "
+    tails = ["the lazy dog", "a dog", "0123", "THE END", "fox?", "the", "lazy", "zz"]
+    s = Live(create_app({"lm": m}, max_batch=8))
+    try:
+        engine = s.server.config.app.state.server.engines["lm"]
+        c = s.client()
+        first = c.completions.create(model="lm", prompt=shared + "dog", max_tokens=8, temperature=0)  # kept
+        assert first.choices[0].text == alone(m, shared + "dog", 8) and engine.prefix_hits == 0
+
+        async def all_of_them():
+            ac = s.client(openai.AsyncOpenAI)
+            return await asyncio.gather(*(ac.completions.create(model="lm", prompt=shared + t, max_tokens=10,
+                                                                  temperature=0) for t in tails))
+        out = asyncio.run(all_of_them())
+        assert [r.choices[0].text for r in out] == [alone(m, shared + t, 10) for t in tails]
+        assert engine.prefix_hits >= len(tails)  # every one of them started from the kept K/V
+    finally:
+        s.close()
+
+
 def test_a_model_that_loads_answers_503_until_ready(models):
     ready = threading.Event()
 

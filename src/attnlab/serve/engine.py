@@ -266,6 +266,8 @@ def _cut_left(cache, mask: torch.Tensor) -> torch.Tensor:
 class Engine(_EngineLoop):
     """Continuous batching over one ``DecoderOnly`` model (``LoadedModel`` of kind ``lm``)."""
 
+    PREFIX_MIN = 16  # shared prefixes shorter than this are computed again (the copy is not worth it)
+
     def __init__(self, model, max_batch: int = 16, max_queue: int = 256, on_step=None, on_first_token=None,
                  compile: bool = False):
         super().__init__(model, max_batch, max_queue)
@@ -280,6 +282,9 @@ class Engine(_EngineLoop):
         self._mask: torch.Tensor | None = None     # (rows, length) bool: real tokens
         self._last: torch.Tensor | None = None     # (rows,) newest token of each row
         self.largest_prefill = 0                   # most prompts prefilled in one forward so far
+        self._prefix_tokens: list[int] | None = None  # the last prefilled prompt, and its K/V per layer
+        self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.prefix_hits = 0                       # prompts whose first tokens came from it
 
     def _reset(self) -> None:
         self._rows, self._cache, self._mask, self._last = [], None, None, None
@@ -350,18 +355,55 @@ class Engine(_EngineLoop):
     def _prefill(self, reqs: list[Request]):
         """One forward over the left-padded prompts (a single prompt: no padding, exactly what
         ``generate`` runs) → its right-aligned cache, key mask (rows, length) and each row's first token.
-        Positions count real tokens only, so a padded row computes what its prompt alone computes."""
-        dev = self.net.device
-        P = max(len(r.prompt) for r in reqs)
-        x = torch.full((len(reqs), P), self.pad_id if self.pad_id is not None else 0, dtype=torch.long, device=dev)
-        mask = torch.zeros(len(reqs), P, dtype=torch.bool, device=dev)
-        for i, r in enumerate(reqs):
-            x[i, P - len(r.prompt):] = torch.tensor(r.prompt, device=dev)
-            mask[i, P - len(r.prompt):] = True
-        cache = self.net.new_cache(P + max(r.max_new_tokens for r in reqs) + 1)
-        self.largest_prefill = max(self.largest_prefill, len(reqs))
+        Positions count real tokens only, so a padded row computes what its prompt alone computes.
+
+        **Prefix reuse**: the K/V of the last prefilled prompt are kept; when every newcomer starts with
+        the same first ``c`` tokens as it (a chat template's system prompt, a shared instruction), those
+        ``c`` columns are copied into the new cache instead of computed again, and only the rest of each
+        prompt runs through the model. Causal attention makes this exact: a position's K/V depend on the
+        tokens up to it only."""
+        dev, n = self.net.device, len(reqs)
+        c = self._reusable_prefix(reqs)
+        rest = [r.prompt[c:] for r in reqs]
+        S = max(len(t) for t in rest)
+        x = torch.full((n, S), self.pad_id if self.pad_id is not None else 0, dtype=torch.long, device=dev)
+        mask = torch.zeros(n, c + S, dtype=torch.bool, device=dev)
+        mask[:, :c] = True
+        for i, t in enumerate(rest):
+            x[i, S - len(t):] = torch.tensor(t, device=dev)
+            mask[i, c + S - len(t):] = True
+        cache = self.net.new_cache(c + S + max(r.max_new_tokens for r in reqs) + 1)
+        if c:
+            for (layer, _), (k, v) in zip(cache.layers, self._prefix_kv):
+                layer.append(k[:, :, :c].expand(n, -1, -1, -1), v[:, :, :c].expand(n, -1, -1, -1))
+            self.prefix_hits += n
+        self.largest_prefill = max(self.largest_prefill, n)
         logits = self.net(x, None if mask.all() else mask, cache=cache, last_only=True).float()
+        self._remember_prefix(reqs[0].prompt, cache, mask[0])
         return cache, mask, [self._pick(r, logits[i: i + 1]) for i, r in enumerate(reqs)]
+
+    def _reusable_prefix(self, reqs: list[Request]) -> int:
+        """How many first tokens every newcomer shares with the kept prompt (0 below PREFIX_MIN; always
+        leaving each prompt at least one token to compute, whose logits pick the first new token)."""
+        if self._prefix_tokens is None:
+            return 0
+        kept, c = self._prefix_tokens, len(self._prefix_tokens)
+        for r in reqs:
+            limit = min(c, len(r.prompt) - 1)
+            same = 0
+            while same < limit and r.prompt[same] == kept[same]:
+                same += 1
+            c = same
+        return c if c >= self.PREFIX_MIN else 0
+
+    def _remember_prefix(self, prompt: list[int], cache, real: torch.Tensor) -> None:
+        """Keep one prompt's K/V (its real columns, in order) for the next prefill."""
+        if len(prompt) < self.PREFIX_MIN:
+            return
+        cols = real.nonzero().squeeze(1)
+        self._prefix_kv = [(layer.k[:1].index_select(2, cols), layer.v[:1].index_select(2, cols))
+                           for layer, _ in cache.layers]
+        self._prefix_tokens = list(prompt)
 
     def _join(self, reqs: list[Request], cache, mask: torch.Tensor, tokens: list[int]) -> None:
         """Splice prefilled rows (their right-aligned cache and key mask) into the batch cache."""
