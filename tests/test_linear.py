@@ -128,3 +128,26 @@ def test_bf16_resolves_to_fp32_where_not_native(monkeypatch):
     assert accel.resolve_bf16(False, "cpu", said.append) is False and len(said) == 1
     monkeypatch.delenv("ATTNLAB_NO_BF16")
     assert accel.resolve_bf16(True, "cpu", said.append) is accel.cpu_bf16_native()
+
+
+def test_the_avx2_cap_is_named_and_really_caps_the_kernels():
+    """``--as-avx2`` (``accel.AVX2_ENVIRONMENT``): a child Python with those variables reports the capped
+    ISA, no native bf16, and PyTorch's own dispatch at AVX2 — and packed linears still equal F.linear."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from attnlab import accel
+    code = ("import json, torch, torch.nn.functional as F; from attnlab import accel; "
+            "l = accel.PackedLinear(64, 32); x = torch.randn(3, 64); "
+            "print(json.dumps([accel.cpu_isa(), accel.cpu_bf16_native(), torch.backends.cpu.get_cpu_capability(), "
+            "(l(x) - F.linear(x, l.weight, l.bias)).abs().max().item()]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **accel.AVX2_ENVIRONMENT},
+                         capture_output=True, text=True, timeout=120)
+    isa, bf16, capability, diff = json.loads(out.stdout.strip().splitlines()[-1])
+    assert isa.startswith("AVX2") and bf16 is False and diff < 1e-5
+    if "avx2" in accel.cpu_flags():
+        assert capability == "AVX2"
+    if accel.cpu_isa() != "AVX2":  # a wider CPU says what it was capped from
+        assert "capped on" in isa
