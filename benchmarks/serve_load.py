@@ -17,6 +17,11 @@ Full benchmark (on a quiet machine; about 530 requests per server, each level bo
 
     python benchmarks/serve_load.py --threads 2
 
+Taking turns, so that the machine's drift between servers cancels (each server started once per round,
+every level's requests split over the rounds, the 1-client references in round 1):
+
+    python benchmarks/serve_load.py --threads 2 --servers attnlab,transformers --clients 1,16 --rounds 3
+
 Smaller runs: ``--servers attnlab`` or ``--clients 1,4 --requests-per-level 4 --max-tokens 16``;
 ``--smoke`` is the test suite's run (attnlab only, a tiny random model, under a minute).
 
@@ -293,11 +298,13 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
     res.tokens = (usage or {}).get("completion_tokens") or res.chunks
 
 
-async def run_level(url: str, model: str, clients: int, n_requests: int, n_prompts: int, args) -> dict:
-    """n_requests requests, `clients` at a time, prompts cycling over the first n_prompts. At
-    args.max_seconds the level ends: nothing new starts and requests still streaming are cut."""
+async def run_level(url: str, model: str, clients: int, n_requests: int, n_prompts: int, args,
+                    offset: int = 0) -> dict:
+    """n_requests requests, `clients` at a time, prompts cycling over the first n_prompts (from the
+    offset-th on). At args.max_seconds the level ends: nothing new starts and requests still streaming
+    are cut."""
     import httpx
-    queue = list(range(n_requests))
+    queue = list(range(offset, offset + n_requests))
     started: list[Result] = []
 
     async def worker(client):
@@ -357,23 +364,50 @@ def summarize(clients: int, level: dict, reference: dict) -> dict:
                                  for r in mismatch[:3]]}
 
 
-async def drive(url: str, model: str, args) -> tuple[list, dict]:
-    """Warm up, then every level in order; the 1-client level's answers are the references."""
+async def drive(url: str, model: str, args, plan: list) -> dict:
+    """Warm up, then every (clients, requests, prompt offset) of ``plan`` in order → {clients: raw level}."""
     import httpx
     async with httpx.AsyncClient(timeout=args.timeout, trust_env=False) as client:
         await one_request(client, url, model, WARMUP_PROMPT, min(args.max_tokens, 8), warm := Result(-1))
         if not warm.ok:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
     n_prompts = requests_for(1, args)
-    reference, rows = {}, []
-    for c in args.clients:
-        level = await run_level(url, model, c, requests_for(c, args), n_prompts, args)
-        if c == 1:
-            reference = {r.prompt: r.text for r in level["results"] if r.ok}
-        rows.append(row := summarize(c, level, reference))
-        print(f"  {c:>3} clients: {row['completed']}/{row['requests']} done, {row['errors']} errors, "
-              f"{row['cut']} cut, {row['mismatch']} mismatch, {row['out_tok_s']} tok/s", file=sys.stderr, flush=True)
-    return rows, reference
+    levels = {}
+    for c, n, offset in plan:
+        levels[c] = level = await run_level(url, model, c, n, n_prompts, args, offset)
+        done = [r for r in level["results"] if r.ok]
+        tokens = sum(r.tokens for r in done)
+        print(f"  {c:>3} clients: {len(done)}/{len(level['results'])} done, "
+              f"{sum(bool(r.error) for r in level['results'])} errors, {tokens / level['wall_s']:.1f} tok/s",
+              file=sys.stderr, flush=True)
+    return levels
+
+
+def merge(a: dict | None, b: dict) -> dict:
+    """Two raw runs of one level (two rounds) as one: results pooled, wall times added."""
+    if a is None:
+        return b
+    return {"results": a["results"] + b["results"], "wall_s": a["wall_s"] + b["wall_s"],
+            "not_started": a["not_started"] + b["not_started"]}
+
+
+def plans(args) -> list[list]:
+    """Per round, the (clients, requests, prompt offset) of each level: the 1-client level (the reference
+    answers) in the first round only, every other level's requests split evenly over the rounds."""
+    out = []
+    for r in range(args.rounds):
+        plan = []
+        for c in args.clients:
+            total = requests_for(c, args)
+            if c == 1:
+                if r == 0:
+                    plan.append((1, total, 0))
+                continue
+            share = [total // args.rounds + (q < total % args.rounds) for q in range(args.rounds)]
+            if share[r]:
+                plan.append((c, share[r], sum(share[:r])))
+        out.append(plan)
+    return out
 
 
 def requests_for(clients: int, args) -> int:
@@ -382,7 +416,8 @@ def requests_for(clients: int, args) -> int:
     return max(clients * args.factor, args.min_requests)
 
 
-def bench_server(name: str, args) -> dict:
+def bench_server(name: str, args, plan: list) -> dict:
+    """Start one server, drive ``plan``, stop it: its raw levels (or why it was skipped or failed)."""
     port = free_port()
     try:
         server = make_server(name, args, port)
@@ -394,13 +429,21 @@ def bench_server(name: str, args) -> dict:
         t0 = time.monotonic()
         running.wait_ready(server.ready_path, args.start_timeout)
         ready_s = time.monotonic() - t0
-        rows, reference = asyncio.run(drive(running.url, server.model, args))
+        raw = asyncio.run(drive(running.url, server.model, args, plan))
     except Exception as e:
         return {"status": "failed", "reason": f"{type(e).__name__}: {e}", "command": server.command}
     finally:
         running.stop()
-    return {"status": "ok", "command": server.command, "note": server.note, "ready_s": round(ready_s, 1),
-            "levels": rows, "reference": {PROMPTS[i]: t for i, t in sorted(reference.items())}}
+    return {"status": "ok", "command": server.command, "note": server.note, "ready_s": round(ready_s, 1), "raw": raw}
+
+
+def finish(s: dict, args) -> dict:
+    """A server's pooled raw levels → table rows, checked against its own 1-client answers."""
+    raw = s.pop("raw")
+    reference = {r.prompt: r.text for r in raw[1]["results"] if r.ok}
+    s["levels"] = [summarize(c, raw[c], reference) for c in args.clients if c in raw]
+    s["reference"] = {PROMPTS[i]: t for i, t in sorted(reference.items())}
+    return s
 
 
 # -- the report -------------------------------------------------------------------------------------------
@@ -519,6 +562,11 @@ def parse_args(argv=None):
                          "count, they do not), the rest not started (default 300)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one request may take (default 300)")
     ap.add_argument("--start-timeout", type=float, default=600, help="seconds a server may take to start")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="take turns: run the servers one after the other this many times, each round sending "
+                         "an equal share of every level's requests (the 1-client level in the first round), so "
+                         "that a drift of the machine's speed reaches every server alike; the table pools the "
+                         "rounds (default 1)")
     ap.add_argument("--attnlab-max-batch", type=int, default=16, help="attnlab serve --max-batch (default 16)")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "attnlab_serve_load",
                     help="the transformers model folder (cached) and the servers' logs")
@@ -539,8 +587,8 @@ def parse_args(argv=None):
     if not args.clients or args.clients[0] != 1:
         ap.error("--clients must include 1 (the reference answers are the ones served alone)")
     if args.requests_per_level is not None and args.requests_per_level < 1 or args.max_tokens < 1 \
-            or args.threads < 1 or args.factor < 1 or args.min_requests < 1:
-        ap.error("--requests-per-level, --max-tokens, --threads, --factor and --min-requests must be >= 1")
+            or args.threads < 1 or args.factor < 1 or args.min_requests < 1 or args.rounds < 1:
+        ap.error("--requests-per-level, --max-tokens, --threads, --factor, --min-requests and --rounds must be >= 1")
     if requests_for(1, args) > len(PROMPTS):
         ap.error(f"the 1-client level sends one request per distinct prompt: at most {len(PROMPTS)}")
     return args
@@ -554,13 +602,28 @@ def main(argv=None) -> int:
     report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cpu": cpu_info(),
               "threads": args.threads, "max_tokens": args.max_tokens, "smoke": args.smoke,
               "requests_per_level": per_level, "total_requests": sum(per_level.values()),
-              "prompts": per_level[1], "max_seconds_per_level": args.max_seconds, "servers": {}}
+              "prompts": per_level[1], "max_seconds_per_level": args.max_seconds, "rounds": args.rounds,
+              "servers": {}}
     print(f"{report['total_requests']} requests per server ({per_level}), max_tokens {args.max_tokens}, "
           f"{args.threads} threads; logs in {args.workdir}", file=sys.stderr, flush=True)
-    for name in args.servers:
-        report["servers"][name] = s = bench_server(name, args)
-        if s["status"] != "ok":
-            print(f"{name}: {s['status']}: {s['reason']}", file=sys.stderr, flush=True)
+    for r, plan in enumerate(plans(args)):
+        k = r % len(args.servers)  # each round starts with the next server: none always goes first
+        for name in args.servers[k:] + args.servers[:k]:
+            if report["servers"].get(name, {}).get("status", "ok") != "ok":
+                continue
+            if args.rounds > 1:
+                print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+            out = bench_server(name, args, plan)
+            if out["status"] != "ok":
+                print(f"{name}: {out['status']}: {out['reason']}", file=sys.stderr, flush=True)
+                report["servers"][name] = out
+                continue
+            kept = report["servers"].setdefault(name, {**out, "raw": {}})
+            for c, lv in out["raw"].items():
+                kept["raw"][c] = merge(kept["raw"].get(c), lv)
+    for name, s in report["servers"].items():
+        if s["status"] == "ok":
+            finish(s, args)
     report["ratios"] = ratios(report)
     report["agreement"] = agreement(report)
     print_report(report)

@@ -277,12 +277,12 @@ class EncoderDecoder(TransformerBase):
         """tgt (B, T) target prefix → logits (B, T, V) (or (B, V) with last_only).
 
         With a cache, ``tgt`` holds only the new positions and ``tgt_mask`` (if any) covers all
-        positions so far. As in ``DecoderOnly.forward``, positions count real tokens only, so a
+        positions so far; there, as in ``DecoderOnly.forward``, positions count real tokens only, so a
         left-padded row (a request that joined a running batch in ``attnlab serve``) computes what it
-        computes alone."""
+        computes alone. Teacher forcing (no cache) pads on the right: positions are 0..T-1."""
         past = cache.length if cache is not None else 0
         T = tgt.shape[1]
-        k_pos = _key_positions(tgt_mask, past + T, tgt.device)
+        k_pos = _key_positions(tgt_mask if cache is not None else None, past + T, tgt.device)
         pos = k_pos[..., past:]
         x = self.tgt_embed(tgt, pos)
         rope, bias = self._attention_positions(pos, k_pos, x.dtype, self.decoder)
