@@ -82,5 +82,13 @@ def run(args) -> int:
     print(f"attnlab serve: http://{args.host}:{args.port}/v1 (OpenAI-compatible); /health, /metrics; "
           f"loading {', '.join(specs)}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-    server.run()
+    # The engine threads dispatch hundreds of small ops per step, each needing the GIL; with Python's
+    # default 5 ms switch interval a burst of HTTP work in the event loop can hold them up that long.
+    # (measured with benchmarks/serve_load.py --rounds 3: 1.94x -> 2.04x transformers serve at 16 clients)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    try:
+        server.run()
+    finally:
+        sys.setswitchinterval(interval)
     return 1 if failed else 0
