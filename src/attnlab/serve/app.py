@@ -226,8 +226,8 @@ class Server:
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_exceeded", code="queue_full") from None
 
-    async def run(self, name: str, http, jobs: list):
-        """The results of jobs submitted to ``name``'s engine, in order. A ValueError the model raises is
+    async def run(self, http, jobs: list):
+        """The results of submitted jobs, in order. A ValueError the model raises is
         the client's (400); a client that goes away takes its jobs out of the batch."""
         try:
             return await _unless_disconnected(http, asyncio.gather(*(j.result() for j in jobs)), jobs)
@@ -236,7 +236,7 @@ class Server:
 
     async def batch(self, name: str, http, fn, inputs: list):
         job = self.submit(name, Batch(inputs=inputs, fn=fn, loop=asyncio.get_running_loop(), queue=asyncio.Queue()))
-        return (await self.run(name, http, [job]))[0]
+        return (await self.run(http, [job]))[0]
 
     def close(self) -> None:
         for e in self.engines.values():
@@ -400,7 +400,7 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
             for j in jobs:
                 j.cancel()
             raise
-        nbest = await server.run(name, http, jobs)
+        nbest = await server.run(http, jobs)
         server.metrics.tokens.labels(name, "prompt").inc(sum(map(len, sources)))
         server.metrics.tokens.labels(name, "completion").inc(sum(len(h[0].tokens) for h in nbest))
         return {"model": name, "translations": [m.tgt_tokenizer.decode(h[0].tokens) for h in nbest],
@@ -487,7 +487,6 @@ async def _generate(server: Server, name: str, m, prompts: list[list[int]], body
     if len(stops) > 4 or any(not s for s in stops):
         raise APIError(400, "stop takes up to 4 non-empty strings", param="stop")
     temperature = 1.0 if body.temperature is None else body.temperature
-    engine = server.engines[name]
     loop = asyncio.get_running_loop()
     gens = []
     try:
@@ -497,11 +496,11 @@ async def _generate(server: Server, name: str, m, prompts: list[list[int]], body
                 req = Request(ids, max_new or context - len(ids), temperature, body.top_p or 1.0, seed,
                               loop=loop, queue=asyncio.Queue())
                 gens.append(_Generation(m, req, stops))
-                engine.submit(req)
-    except QueueFull as e:
+                server.submit(name, req)
+    except APIError:  # the queue is full (429): the ones already queued leave
         for g in gens:
             g.req.cancel()
-        raise APIError(429, str(e), "rate_limit_exceeded", code="queue_full") from None
+        raise
     prompt_tokens = sum(len(ids) for ids in prompts)
     server.metrics.tokens.labels(name, "prompt").inc(prompt_tokens)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

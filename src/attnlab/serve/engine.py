@@ -511,8 +511,9 @@ class TranslationEngine(_EngineLoop):
         R, L, S0 = self._last.shape[0], self._cache.length, self._src_mask.shape[1]
         for (bs, bx), (_, nx) in zip(self._cache.layers, cache.layers):
             if bs.k is not None:  # the newcomer has no target history yet: zero columns, masked out
-                bs.k, _ = _splice(bs.k, bs.k.new_zeros(K, *bs.k.shape[1:]), L, 0, 64)
-                bs.v, _ = _splice(bs.v, bs.v.new_zeros(K, *bs.v.shape[1:]), L, 0, 64)
+                none = bs.k.new_empty(K, bs.k.shape[1], 0, bs.k.shape[3])
+                bs.k, _ = _splice(bs.k, none, L, 0, 64)
+                bs.v, _ = _splice(bs.v, none, L, 0, 64)
             S2 = max(S0, S)
             k = bx.k.new_zeros(R + K, bx.k.shape[1], S2, bx.k.shape[3])  # sources right-padded
             v = torch.zeros_like(k)
