@@ -1,26 +1,46 @@
-"""One full training step (forward, backward, AdamW: attnlab's fused kernel, torch's default for the others) of the same seq2seq architecture, side by side:
+"""One full training step (forward, label-smoothed cross-entropy, backward, AdamW) of the same seq2seq architecture, side by side:
 attnlab (a copy of the HF model made with ``from_hf``, so the weights are equal), Hugging Face
 ``MarianMTModel`` and ``torch.nn.Transformer`` (PyTorch's translation-tutorial model: embeddings ×√d,
 sinusoidal positions, nn.Transformer, output projection). fp32, and bf16 autocast where the CPU has
 native bf16 (``accel.bf16_native``). Two shapes: d256/4 heads/3+3/d_ff 1024, 64 pairs × 24 tokens; and
 d512/8 heads/6+6/d_ff 2048, 32 × 32. Prints target tokens/s, ratios, the growth of the process's RSS high-water mark (order-dependent: a
 model that needs less than an earlier one shows 0) and the model FLOP utilisation against a matmul
-peak measured in the same run.
+peak measured in the same run. Each side trains the way its own tool does: attnlab with its trainer's
+loss (a chunked cross-entropy that never makes an fp32 copy of the logits), fused AdamW, and its CPU
+dropout; HF and the tutorial with ``nn.CrossEntropyLoss(label_smoothing=0.1)`` on fp32 logits and
+torch's default AdamW.
+
+With ``--nanogpt PATH`` (your checkout of karpathy/nanoGPT) it also times nanoGPT's Tiny Shakespeare
+step: nanoGPT's own ``train.py`` with its README's CPU configuration (4 layers, 4 heads, d 128, block
+64, batch 12, dropout 0, fp32) against ``attnlab train``'s update with the same model and recipe
+(``--preset shakespeare-char``), fp32 and (native-bf16 CPUs) bf16. Each side is a fresh process
+that times every iteration the way nanoGPT's loop does (batch, forward, backward, clip, AdamW);
+the ms/iter reported is the median after 10 warm-up iterations, the sides taking turns for
+``--rounds`` rounds so drift reaches all of them.
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2]
+    python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3]
 """
 
 import argparse
+import gzip
 import json
 import math
+import re
 import resource
+import shutil
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from attnlab import accel
 from attnlab.interop.hf import from_hf
+from attnlab.train.tasks.base import label_smoothed_loss
 from attnlab.train.trainer import make_adamw
 
 SHAPES = {"small": dict(d=256, heads=4, layers=3, ff=1024, batch=64, length=24),
@@ -102,7 +122,10 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = forwards[key](model)
-            loss_fn(logits.float().reshape(-1, VOCAB), labels.reshape(-1)).backward()
+            if key == "attnlab":  # the trainer's loss (train.tasks.base): chunked, no fp32 copy of the logits
+                label_smoothed_loss(logits, labels, None, 0.1)[0].backward()
+            else:  # label-smoothed cross-entropy on fp32 logits, as HF's Trainer and the tutorial compute it
+                loss_fn(logits.float().reshape(-1, VOCAB), labels.reshape(-1)).backward()
             opt.step()
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t = time_steps(step, args.steps)
@@ -114,24 +137,115 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
     return out
 
 
+# -- nanoGPT's Tiny Shakespeare step -----------------------------------------------------------------
+
+NANOGPT_CPU_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--log_interval=1",
+                    "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+                    "--lr_decay_iters=2000", "--dropout=0.0", "--eval_interval=1000000", "--eval_iters=1"]
+WARMUP_ITERS = 10
+
+# attnlab's side: the trainer of `attnlab train --task lm --preset shakespeare-char` (the arguments of
+# benchmarks/shakespeare_nanogpt.py), every update timed like nanoGPT's loop times its iterations.
+_ATTNLAB_LM_STEP = """
+import json, sys, time, torch
+from attnlab.train.options import TrainArgs
+from attnlab.train.trainer import Trainer
+text, out, iters, bf16, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+args = TrainArgs(task="lm", train=text, out=out, preset="shakespeare-char", tokenizer="char", block_size=64,
+                 batch_size=12, max_steps=iters, lr=1e-3, min_lr=1e-4, schedule="cosine", warmup=100, betas=[0.9, 0.99],
+                 eps=1e-8, weight_decay=0.1, clip_norm=1.0, eval_every=0, save_every=0, progress=False, bf16=bf16,
+                 threads=threads or None)
+trainer = Trainer(args, log=lambda *a: None)
+trainer.setup()
+trainer.model.train()
+trainer._stats = {"tokens": 0, "loss_sum": 0.0, "loss_n": 0, "since": time.time()}
+times, t0 = [], time.time()
+for _ in range(iters):
+    trainer._update(1e-3)
+    t1 = time.time()
+    times.append(t1 - t0)
+    t0 = t1
+print(json.dumps({"ms": [round(t * 1e3, 3) for t in times], "bf16": trainer.bf16}))
+"""
+
+
+def nanogpt_step(args) -> dict:
+    """ms/iter of nanoGPT's train.py and of attnlab's trainer on Tiny Shakespeare, the sides in turns."""
+    ng = Path(args.nanogpt).resolve()
+    if not (ng / "train.py").exists():
+        raise SystemExit(f"--nanogpt {ng}: no train.py there (a checkout of karpathy/nanoGPT is expected)")
+    data = Path(args.data)
+    text = (gzip.open(data / "input.txt.gz", "rt", encoding="utf-8").read() if (data / "input.txt.gz").exists()
+            else (data / "input.txt").read_text(encoding="utf-8"))
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "input.txt").write_text(text, encoding="utf-8")
+    data_dir = ng / "data" / "shakespeare_char"
+    shutil.copy(work / "input.txt", data_dir / "input.txt")  # prepare.py downloads only if absent
+    subprocess.run([sys.executable, "prepare.py"], cwd=data_dir, check=True, capture_output=True)
+    iters = max(args.nanogpt_iters, WARMUP_ITERS + 1)
+    threads = str(args.threads or torch.get_num_threads())
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": threads}
+    sides = ["nanogpt", "attnlab_fp32"] + (["attnlab_bf16"] if accel.bf16_native("cpu") else [])
+    samples = {side: [] for side in sides}
+    for _ in range(args.rounds):
+        for side in sides:
+            if side == "nanogpt":
+                res = subprocess.run([sys.executable, "train.py", *NANOGPT_CPU_ARGS, f"--max_iters={iters - 1}",
+                                      f"--out_dir={(work / 'nanogpt').resolve()}"], cwd=ng, env=env,
+                                     capture_output=True, text=True)
+                if res.returncode:
+                    raise SystemExit(f"nanoGPT's train.py failed:\n{res.stderr[-2000:]}")
+                ms = [float(m) for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", res.stdout, re.M)]
+            else:
+                res = subprocess.run([sys.executable, "-c", _ATTNLAB_LM_STEP, str(work / "input.txt"),
+                                      str(work / side), str(iters), "1" if side.endswith("bf16") else "0", threads],
+                                     env=env, capture_output=True, text=True)
+                if res.returncode:
+                    raise SystemExit(f"attnlab's step failed:\n{res.stderr[-2000:]}")
+                ms = json.loads(res.stdout.strip().splitlines()[-1])["ms"]
+            if len(ms) < iters:
+                raise SystemExit(f"{side}: {len(ms)} iterations timed, {iters} expected")
+            samples[side].extend(ms[WARMUP_ITERS:])  # iteration 0 of nanoGPT includes its one evaluation
+    out = {"config": "nanoGPT README CPU run: 4 layers, 4 heads, d 128, block 64, batch 12, dropout 0",
+           "iterations_timed_per_side": len(samples["nanogpt"])}
+    for side in sides:
+        out[side] = {"ms_per_iter_median": round(statistics.median(samples[side]), 2),
+                     "ms_per_iter_p10": round(sorted(samples[side])[len(samples[side]) // 10], 2)}
+    for side in sides[1:]:
+        # the target is written as attnlab's ms/iter over nanoGPT's (<= 0.75)
+        out[f"{side}_over_nanogpt"] = round(out[side]["ms_per_iter_median"] / out["nanogpt"]["ms_per_iter_median"], 3)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--shapes", default="small,large", help="comma-separated: small, large")
+    ap.add_argument("--shapes", default="small,large", help="comma-separated: small, large (none: only --nanogpt)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--nanogpt", default=None, help="a local checkout of karpathy/nanoGPT: also time its Shakespeare step")
+    ap.add_argument("--nanogpt-iters", type=int, default=60, help="iterations per process (the first 10 are not timed)")
+    ap.add_argument("--rounds", type=int, default=3, help="--nanogpt: the sides take turns this many times")
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"),
+                    help="--nanogpt: folder with Tiny Shakespeare's input.txt(.gz)")
+    ap.add_argument("--workdir", default="runs/train_speed")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(),
                "torch": torch.__version__}
     dtypes = [False] + ([True] if accel.bf16_native("cpu") else [])
-    for bf16 in dtypes:
+    shapes = [] if args.shapes == "none" else args.shapes.split(",")
+    for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32)
         results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
-        for name in args.shapes.split(","):
+        for name in shapes:
             key = f"{name}_{'bf16' if bf16 else 'fp32'}"
             results[key] = run_shape(name, SHAPES[name], args, bf16, peak)
             print(key, json.dumps(results[key]), flush=True)
+    if args.nanogpt:
+        results["nanogpt_shakespeare"] = nanogpt_step(args)
+        print("nanogpt_shakespeare", json.dumps(results["nanogpt_shakespeare"]), flush=True)
     print(json.dumps(results))
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from attnlab import TransformerConfig, build_model, get_preset
 from attnlab.model import (LearnedPositionalEmbedding, MultiHeadAttention, SinusoidalPositionalEncoding,
-                           TokenEmbedding, causal_mask, sinusoidal_table)
+                           TokenEmbedding, causal_mask, scaled_dot_product_attention, sinusoidal_table)
 
 
 def tiny_mt(**kw):
@@ -123,3 +123,48 @@ def test_tying_shares_one_parameter():
     untied = build_model(get_preset("mt-tiny", tie_output=False, share_embeddings=False, tgt_vocab_size=500))
     assert untied.lm_head.weight is not untied.tgt_embed.token.weight
     assert untied.lm_head.weight.shape == (500, 64)
+
+
+def test_bf16_training_attention_runs_the_fp32_kernel_on_cpu():
+    """Under bf16 autocast on CPU, training (inputs that need gradients, short keys) runs PyTorch's fused
+    attention in fp32 — its bf16 backward is several times slower there — and returns bf16: exactly the
+    fp32 kernel's output rounded, with the fp32 kernel's gradients. Inference keeps the bf16 kernel."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8).bfloat16() for _ in range(3))
+    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, is_causal=True)
+    ref.backward(torch.ones_like(ref))
+    train_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = scaled_dot_product_attention(*train_in, is_causal=True)
+        out.float().sum().backward()
+        frozen, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref.detach().bfloat16())
+    for got, want in zip(train_in, ref_in):
+        assert got.grad.dtype == torch.bfloat16 and torch.equal(got.grad, want.grad.bfloat16())
+    assert torch.equal(frozen, F.scaled_dot_product_attention(q, k, v, is_causal=True))  # the bf16 kernel
+
+
+def test_dropout_zeroes_p_of_the_values_and_keeps_the_expectation():
+    """attnlab's CPU dropout (four 15-bit uniforms per 64-bit draw): the dropped share is p in every
+    one of the four lanes (a biased lane would show here), kept values are scaled by 1/(1-p), the
+    gradient flows through the kept ones only, the same seed gives the same mask, eval is the identity."""
+    from attnlab.model.layers import Dropout
+    n = 1 << 20
+    x = torch.ones(n, requires_grad=True)
+    for p in (0.1, 0.3):
+        drop = Dropout(p).train()
+        torch.manual_seed(0)
+        y = drop(x)
+        kept = y != 0
+        sigma = math.sqrt(p * (1 - p) / (n // 4))
+        for lane in range(4):
+            assert abs((~kept[lane::4]).float().mean().item() - p) < 5 * sigma, (p, lane)
+        assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / (1 - round(p * 32768) / 32768)))
+        assert abs(y.mean().item() - 1.0) < 5 * math.sqrt(p / (1 - p) / n)  # E[dropout(x)] = x
+        torch.manual_seed(0)
+        assert torch.equal(drop(x), y)
+        x.grad = None
+        y.sum().backward()
+        assert torch.equal(x.grad, y.detach())  # d/dx of x·mask·scale with x = 1
+        assert torch.equal(drop.eval()(x), x)

@@ -91,7 +91,8 @@ class LearnedPositionalEmbedding(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        if positions.numel() and int(positions.max()) >= self.max_len:
+        # (not while torch.compile traces: the check reads a value back, a graph break per call)
+        if not torch.compiler.is_compiling() and positions.numel() and int(positions.max()) >= self.max_len:
             raise ValueError(f"position {int(positions.max())} is past the learned position table "
                              f"(max_len={self.max_len}); use a shorter input or a model with "
                              "sinusoidal/RoPE/ALiBi positions")

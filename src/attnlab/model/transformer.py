@@ -21,7 +21,7 @@ from ..config import TransformerConfig
 from .attention import KVCache, causal_mask, padding_mask
 from .embedding import (LearnedPositionalEmbedding, PatchEmbedding, RelativePositionBias, RotaryEmbedding,
                         SinusoidalPositionalEncoding, TokenEmbedding, alibi_bias, alibi_slopes)
-from .layers import DecoderLayer, EncoderLayer, make_norm
+from .layers import DecoderLayer, Dropout, EncoderLayer, make_norm
 
 
 class Embeddings(nn.Module):
@@ -40,7 +40,7 @@ class Embeddings(nn.Module):
             self.position = LearnedPositionalEmbedding(cfg.max_len, cfg.d_model)
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
         self.norm = make_norm(cfg) if cfg.embedding_norm else None
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -347,7 +347,7 @@ class EncoderOnly(TransformerBase):
         if cfg.is_image_model:
             self.embed = PatchEmbedding(cfg.image_size, cfg.patch_size, cfg.n_channels, cfg.d_model,
                                         learned_positions=cfg.positions == "learned")
-            self.embed_dropout = nn.Dropout(cfg.dropout)
+            self.embed_dropout = Dropout(cfg.dropout)
             self.lm_head = None  # nothing to predict per patch
         else:
             token = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.embed_scale)
@@ -355,7 +355,7 @@ class EncoderOnly(TransformerBase):
             self.lm_head = self._make_output_projection(cfg.vocab_size, token if cfg.tie_output else None)
         self.encoder = Encoder(cfg)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler_activation else None
-        self.classifier = (nn.Sequential(nn.Dropout(cfg.dropout), nn.Linear(cfg.d_model, cfg.n_classes))
+        self.classifier = (nn.Sequential(Dropout(cfg.dropout), nn.Linear(cfg.d_model, cfg.n_classes))
                            if cfg.n_classes else None)
         self.reset_parameters()
 

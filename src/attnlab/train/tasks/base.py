@@ -120,11 +120,68 @@ class ListBatches:
 
 def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, pad_id: int | None, smoothing: float):
     """Cross-entropy with label smoothing ε (the paper: 0.1), padding ignored. Returns the mean over
-    real tokens and their count."""
+    real tokens and their count. Equal to ``F.cross_entropy(logits.float(), labels, label_smoothing=ε,
+    ignore_index=pad)``, computed by ``ChunkedCrossEntropy``."""
     ignore = pad_id if pad_id is not None else -100
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                           ignore_index=ignore, label_smoothing=smoothing)
+    logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if logits.numel() <= ChunkedCrossEntropy.CPU_CHUNK:  # one chunk: PyTorch's kernel has fewer steps
+        loss = F.cross_entropy(logits.float(), labels, ignore_index=ignore, label_smoothing=smoothing)
+    else:
+        loss = ChunkedCrossEntropy.apply(logits, labels, ignore, smoothing)
     return loss, int((labels != ignore).sum())
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Label-smoothed cross-entropy over a few rows at a time, never a full-vocabulary fp32 copy of
+    the logits: each chunk of rows is upcast, reduced (log-sum-exp, the target's logit, the mean
+    logit) and dropped; the backward recomputes softmax chunk by chunk and writes the gradient in
+    the logits' dtype. With bf16 logits F.cross_entropy(logits.float()) moves ~4 full-size fp32
+    tensors each way (the copy, log-softmax, its gradient, the cast back) and on CPU those passes cost
+    a quarter of a Marian training step (benchmarks/train_speed.py); here the chunks stay in cache.
+
+    For row i with target y (ε = smoothing, V = vocabulary):
+    loss_i = lse_i − (1−ε)·l_iy − ε·mean_j l_ij, and ∂loss_i/∂l_ij = softmax_ij − (1−ε)·[j = y] − ε/V.
+    The result is the mean over rows whose label is not ``ignore`` (NaN when there are none, as
+    F.cross_entropy)."""
+
+    CPU_CHUNK = 1 << 20  # elements per chunk: 4 MB in fp32, within the last-level cache
+
+    @staticmethod
+    def _chunks(logits):
+        rows = max(1, (ChunkedCrossEntropy.CPU_CHUNK if logits.device.type == "cpu" else 1 << 24) // logits.shape[1])
+        return range(0, logits.shape[0], rows), rows
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore: int, smoothing: float):
+        keep = labels != ignore
+        target = labels.masked_fill(~keep, 0)[:, None]  # (N, 1)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        starts, rows = ChunkedCrossEntropy._chunks(logits)
+        for s in starts:
+            chunk = logits[s:s + rows].float()  # (rows, V)
+            lse[s:s + rows] = torch.logsumexp(chunk, dim=-1)
+            row_loss = (lse[s:s + rows] - (1 - smoothing) * chunk.gather(1, target[s:s + rows]).squeeze(1)
+                        - smoothing * chunk.mean(dim=-1))
+            total += row_loss.masked_fill(~keep[s:s + rows], 0.0).sum()
+        count = keep.sum()
+        ctx.save_for_backward(logits, target, keep, lse, count)
+        ctx.smoothing = smoothing
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, target, keep, lse, count = ctx.saved_tensors
+        eps, vocab = ctx.smoothing, logits.shape[1]
+        row_scale = keep.float() * (grad_out.float() / count)  # (N,): 0 on ignored rows
+        grad = torch.empty_like(logits)
+        starts, rows = ChunkedCrossEntropy._chunks(logits)
+        for s in starts:
+            g = (logits[s:s + rows].float() - lse[s:s + rows, None]).exp_()  # softmax, (rows, V)
+            g.sub_(eps / vocab).scatter_add_(1, target[s:s + rows],
+                                              torch.full_like(target[s:s + rows], eps - 1, dtype=g.dtype))
+            grad[s:s + rows] = g.mul_(row_scale[s:s + rows, None])
+        return grad, None, None, None
 
 
 def config_with_own_vocab(task: Task, args, min_positions: int = 0, **extra) -> TransformerConfig:
