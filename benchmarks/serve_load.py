@@ -22,6 +22,9 @@ every level's requests split over the rounds, the 1-client references in round 1
 
     python benchmarks/serve_load.py --threads 2 --servers attnlab,transformers --clients 1,16 --rounds 3
 
+Both in bf16 (attnlab ``serve --bf16``, ``transformers serve --dtype bfloat16``; llama.cpp keeps Q4_1):
+``--dtype bfloat16``.
+
 Smaller runs: ``--servers attnlab`` or ``--clients 1,4 --requests-per-level 4 --max-tokens 16``;
 ``--smoke`` is the test suite's run (attnlab only, a tiny random model, under a minute).
 
@@ -165,9 +168,10 @@ def make_server(name: str, args, port: int) -> Server:
         if m := missing("attnlab", "fastapi", "uvicorn"):
             raise RuntimeError(f"{m} is not installed")
         spec = str(tiny_model_dir(args.workdir)) if args.smoke else str(smollm2_gguf())
+        bf16 = args.dtype == "bfloat16"
         return Server(name, [py, "-m", "attnlab", "serve", "--model", f"smollm2={spec}", *common,
-                             "--max-batch", str(args.attnlab_max_batch), "--device", "cpu"],
-                      "smollm2", thread_env(t), f"max_batch={args.attnlab_max_batch}, fp32")
+                             "--max-batch", str(args.attnlab_max_batch), "--device", "cpu", *(["--bf16"] if bf16 else [])],
+                      "smollm2", thread_env(t), f"max_batch={args.attnlab_max_batch}, {'bf16' if bf16 else 'fp32'}")
     if name == "transformers":
         if m := missing("transformers", "fastapi", "uvicorn", "gguf"):
             raise RuntimeError(f"{m} is not installed")
@@ -177,8 +181,8 @@ def make_server(name: str, args, port: int) -> Server:
             raise RuntimeError("the transformers command is not on PATH")
         folder = str(hf_folder(smollm2_gguf(), args.workdir))
         return Server(name, [exe, "serve", folder, "--continuous-batching", "--device", "cpu", "--dtype",
-                             "float32", "--log-level", "warning", *common],
-                      folder, thread_env(t), "continuous batching, fp32")
+                             args.dtype, "--log-level", "warning", *common],
+                      folder, thread_env(t), f"continuous batching, {'bf16' if args.dtype == 'bfloat16' else 'fp32'}")
     if name == "llamacpp":
         if m := missing("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings", "uvicorn"):
             raise RuntimeError(f"{m} is not installed (pip install 'llama-cpp-python[server]')")
@@ -567,6 +571,9 @@ def parse_args(argv=None):
                          "an equal share of every level's requests (the 1-client level in the first round), so "
                          "that a drift of the machine's speed reaches every server alike; the table pools the "
                          "rounds (default 1)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the weights' dtype in attnlab and transformers serve (llama.cpp keeps the GGUF's Q4_1); "
+                         "bfloat16: attnlab serve --bf16, transformers serve --dtype bfloat16 (default float32)")
     ap.add_argument("--attnlab-max-batch", type=int, default=16, help="attnlab serve --max-batch (default 16)")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "attnlab_serve_load",
                     help="the transformers model folder (cached) and the servers' logs")
@@ -600,7 +607,7 @@ def main(argv=None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     per_level = {c: requests_for(c, args) for c in args.clients}
     report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cpu": cpu_info(),
-              "threads": args.threads, "max_tokens": args.max_tokens, "smoke": args.smoke,
+              "threads": args.threads, "max_tokens": args.max_tokens, "dtype": args.dtype, "smoke": args.smoke,
               "requests_per_level": per_level, "total_requests": sum(per_level.values()),
               "prompts": per_level[1], "max_seconds_per_level": args.max_seconds, "rounds": args.rounds,
               "servers": {}}

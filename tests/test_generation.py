@@ -58,6 +58,37 @@ def test_decoder_only_cache_matches_full_forward_with_left_padding(positions):
         assert (alone[0] - full[2, 6:]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_packed_forward_equals_separate_forwards(positions):
+    """``forward_packed``: a cached one-token step of left-padded rows and a batch of new left-padded
+    prompts in one pass give each group's last logits and caches as two separate forwards do."""
+    model = model_for("decoder-only", positions)
+    prompts = torch.randint(4, 50, (3, 6))
+    pmask = torch.ones(3, 6, dtype=torch.bool)
+    pmask[1, :2] = False
+    new = torch.randint(4, 50, (2, 5))
+    nmask = torch.ones(2, 5, dtype=torch.bool)
+    nmask[0, :3] = False
+    step = torch.randint(4, 50, (3, 1))
+    smask = torch.cat([pmask, torch.ones(3, 1, dtype=torch.bool)], 1)
+    with torch.no_grad():
+        caches = {}
+        for way in ("separate", "packed"):
+            running, fresh = model.new_cache(), model.new_cache()
+            model(prompts, pmask, cache=running)
+            if way == "separate":
+                got = [model(step, smask, cache=running, last_only=True), model(new, nmask, cache=fresh, last_only=True)]
+            else:
+                got = model.forward_packed([(step, smask, running), (new, nmask, fresh)])
+            caches[way] = (got, running, fresh)
+    (a, b), ra, fa = caches["separate"]
+    (pa, pb), rb, fb = caches["packed"]
+    assert pa.shape == (3, 50) and pb.shape == (2, 50)
+    assert (pa - a).abs().max() <= 1e-5 and (pb - b).abs().max() <= 1e-5, positions
+    for (x, _), (y, _) in zip(ra.layers + fa.layers, rb.layers + fb.layers):
+        assert x.length == y.length and (x.k[:, :, :x.length] - y.k[:, :, :y.length]).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("positions", ["sinusoidal", "rope"])
 def test_cache_follows_beam_reordering(positions):
     model = model_for("encoder-decoder", positions)

@@ -254,6 +254,7 @@ def test_concurrent_mixed_requests_equal_served_alone(live, models):
         assert text == alone(models[name], p, n, chat=chat and name == "llama", **kw), (name, p, n, chat, kw)
     engines = live.server.config.app.state.server.engines
     assert max(engines["lm"].largest_prefill, engines["llama"].largest_prefill) > 1  # left-padded prefills ran
+    assert engines["lm"].packed_prefills + engines["llama"].packed_prefills > 0  # and prefills inside a step
     batches = httpx.get(live.url + "/metrics").text
     assert any(line.startswith('attnlab_batch_size_bucket{le="1.0",model="lm"}') for line in batches.splitlines())
 

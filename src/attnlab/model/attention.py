@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -187,6 +188,21 @@ class KVCache:
         self.k, self.v = new_k, new_v
 
 
+@dataclass
+class Segment:
+    """One group of rows in a packed forward: ``rows`` × ``length`` tokens with their own mask, RoPE
+    angles, bias and KV cache. A packed forward runs every linear layer once over the tokens of all
+    segments (rows concatenated) and attention per segment — e.g. a serving engine's one-token
+    decoding step and a newcomer's prompt, in one stream of the weights instead of two."""
+    rows: int
+    length: int
+    mask: torch.Tensor | None = None
+    is_causal: bool = False
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    bias: torch.Tensor | None = None
+    cache: KVCache | None = None
+
+
 # -- the module -----------------------------------------------------------------------------------
 
 
@@ -229,29 +245,51 @@ class MultiHeadAttention(nn.Module):
         self, x: torch.Tensor, memory: torch.Tensor | None = None, *,
         mask: torch.Tensor | None = None, is_causal: bool = False,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None, bias: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | None = None, segments: list[Segment] | None = None,
     ) -> torch.Tensor:
+        """x (B, T, d) → (B, T, d). With ``segments`` (self-attention only), x is (1, N, d): the
+        tokens of every segment, rows concatenated; each segment attends within itself."""
+        if segments is not None:
+            qkv = self.qkv_proj(x[0])  # (N, q + 2·kv dims): one GEMM for all segments
+            outs, start = [], 0
+            for s in segments:
+                n = s.rows * s.length
+                out = self._self_attend(qkv[start:start + n].view(s.rows, s.length, -1), s.mask, s.is_causal,
+                                        s.rope, s.bias, s.cache)
+                outs.append(out.view(n, -1))
+                start += n
+            return self.out_proj(torch.cat(outs)[None])  # (1, N, d)
         B, T, _ = x.shape
-        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.cross:
-            if memory is None and (cache is None or cache.k is None):
-                raise ValueError("cross-attention needs the encoder output (memory)")
-            q = self.q_proj(x).view(B, T, h, hd).transpose(1, 2)  # (B, h, T, hd)
-            if cache is not None and cache.k is not None:
-                k, v = cache.k, cache.v  # encoder K/V computed once, reused every step
-            else:
-                k, v = self.project_memory(memory)
-                if cache is not None:
-                    cache.set(k, v)
+        h, hd = self.n_heads, self.head_dim
+        if not self.cross:
+            return self.out_proj(self._self_attend(self.qkv_proj(x), mask, is_causal, rope, bias, cache))
+        if memory is None and (cache is None or cache.k is None):
+            raise ValueError("cross-attention needs the encoder output (memory)")
+        q = self.q_proj(x).view(B, T, h, hd).transpose(1, 2)  # (B, h, T, hd)
+        if cache is not None and cache.k is not None:
+            k, v = cache.k, cache.v  # encoder K/V computed once, reused every step
         else:
-            q, k, v = self.qkv_proj(x).split([h * hd, kv * hd, kv * hd], dim=-1)
-            q = q.view(B, T, h, hd).transpose(1, 2)  # (B, h, T, hd)
-            k = k.view(B, T, kv, hd).transpose(1, 2)  # (B, kv, T, hd)
-            v = v.view(B, T, kv, hd).transpose(1, 2)  # (B, kv, T, hd)
-            if rope is not None:
-                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            k, v = self.project_memory(memory)
             if cache is not None:
-                k, v = cache.append(k, v)  # (B, kv, past+T, hd)
+                cache.set(k, v)
+        return self.out_proj(self._attend(q, k, v, mask, is_causal, bias))
+
+    def _self_attend(self, qkv, mask, is_causal, rope, bias, cache) -> torch.Tensor:
+        """(B, T, q + 2·kv dims) projections → attention output (B, T, h·hd), before out_proj."""
+        B, T, _ = qkv.shape
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
+        q = q.view(B, T, h, hd).transpose(1, 2)  # (B, h, T, hd)
+        k = k.view(B, T, kv, hd).transpose(1, 2)  # (B, kv, T, hd)
+        v = v.view(B, T, kv, hd).transpose(1, 2)  # (B, kv, T, hd)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, kv, past+T, hd)
+        return self._attend(q, k, v, mask, is_causal, bias)
+
+    def _attend(self, q, k, v, mask, is_causal, bias) -> torch.Tensor:
+        B, h, T, hd = q.shape
         out, weights = scaled_dot_product_attention(
             q, k, v, mask, bias, is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0, need_weights=self.record_weights,
@@ -260,5 +298,4 @@ class MultiHeadAttention(nn.Module):
             self.last_weights = weights.detach()
         # transpose makes the tensor non-contiguous; view needs contiguous memory (the classic bug
         # is a view that silently scrambles heads, or an error).
-        out = out.transpose(1, 2).contiguous().view(B, T, h * hd)  # (B, T, d)
-        return self.out_proj(out)
+        return out.transpose(1, 2).contiguous().view(B, T, h * hd)  # (B, T, h·hd)

@@ -160,10 +160,11 @@ class DecoderLayer(nn.Module):
                 mask: torch.Tensor | None = None, is_causal: bool = False,
                 memory_mask: torch.Tensor | None = None, rope=None,
                 bias: torch.Tensor | None = None,
-                cache: tuple[KVCache, KVCache | None] | None = None) -> torch.Tensor:
+                cache: tuple[KVCache, KVCache | None] | None = None, segments=None) -> torch.Tensor:
+        """``segments`` (decoder-only): a packed forward, see ``MultiHeadAttention``."""
         self_cache, cross_cache = cache if cache is not None else (None, None)
         x = self.attn_residual(x, lambda y: self.self_attn(
-            y, mask=mask, is_causal=is_causal, rope=rope, bias=bias, cache=self_cache))
+            y, mask=mask, is_causal=is_causal, rope=rope, bias=bias, cache=self_cache, segments=segments))
         if self.cross_attn is not None:
             x = self.cross_residual(x, lambda y: self.cross_attn(
                 y, memory, mask=memory_mask, cache=cross_cache))

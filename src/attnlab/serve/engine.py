@@ -285,6 +285,7 @@ class Engine(_EngineLoop):
         self._prefix_tokens: list[int] | None = None  # the last prefilled prompt, and its K/V per layer
         self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.prefix_hits = 0                       # prompts whose first tokens came from it
+        self.packed_prefills = 0                   # prefills that rode in a decoding step (forward_packed)
 
     def _reset(self) -> None:
         self._rows, self._cache, self._mask, self._last = [], None, None, None
@@ -314,7 +315,10 @@ class Engine(_EngineLoop):
         return True
 
     def _admit_all(self, reqs: list[Request]) -> None:
-        """Prefill the newcomers together, then splice the rows that go on into the batch."""
+        """Prefill the newcomers together, then splice the rows that go on into the batch. With a batch
+        running, the prefill rides in the batch's next decoding step (``DecoderOnly.forward_packed``:
+        one pass over the weights for both; the step alone is memory-bound, so the prompt's tokens
+        cost little) instead of stopping every row for a forward of its own."""
         ok = []
         for req in reqs:
             try:
@@ -324,12 +328,28 @@ class Engine(_EngineLoop):
                 req._emit(("error", e))
         if not ok:
             return
+        packed = bool(self._rows) and hasattr(self.net, "forward_packed")
         try:
-            cache, mask, tokens = self._prefill(ok)
-        except Exception as e:  # e.g. out of memory for this group: these requests fail, the batch goes on
-            for req in ok:
+            x, mask, cache = self._prefill_inputs(ok)
+            if packed:
+                step_mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], 1)
+                running, logits = self.net.forward_packed([
+                    (self._last[:, None], None if bool(step_mask.all()) else step_mask, self._cache),
+                    (x, None if bool(mask.all()) else mask, cache)])
+                self._advance(step_mask, running.float())
+                self.steps += 1
+                self.packed_prefills += 1
+            else:
+                logits = self.net(x, None if bool(mask.all()) else mask, cache=cache, last_only=True)
+        except Exception as e:  # e.g. out of memory: these requests fail; a half-run packed step fails the batch
+            for req in ok + (self._rows if packed else []):
                 req._emit(("error", e))
+            if packed:
+                self._reset()
             return
+        self._remember_prefix(ok[0].prompt, cache, mask[0])
+        logits = logits.float()
+        tokens = [self._pick(r, logits[i: i + 1]) for i, r in enumerate(ok)]
         going = [i for i, (req, t) in enumerate(zip(ok, tokens)) if self._accept(req, t)]
         if not going:
             return
@@ -352,10 +372,11 @@ class Engine(_EngineLoop):
             req._gen.seed()
         req._process = LogitsProcessor(cfg, self.eos_id, [list(req.prompt)], self.pad_id)
 
-    def _prefill(self, reqs: list[Request]):
-        """One forward over the left-padded prompts (a single prompt: no padding, exactly what
-        ``generate`` runs) → its right-aligned cache, key mask (rows, length) and each row's first token.
-        Positions count real tokens only, so a padded row computes what its prompt alone computes.
+    def _prefill_inputs(self, reqs: list[Request]):
+        """The left-padded prompts of one prefill forward (a single prompt: no padding, exactly what
+        ``generate`` runs) → ids (rows, S), key mask (rows, length) and the cache the forward fills,
+        right-aligned. Positions count real tokens only, so a padded row computes what its prompt alone
+        computes.
 
         **Prefix reuse**: the K/V of the last prefilled prompt are kept; when every newcomer starts with
         the same first ``c`` tokens as it (a chat template's system prompt, a shared instruction), those
@@ -378,9 +399,7 @@ class Engine(_EngineLoop):
                 layer.append(k[:, :, :c].expand(n, -1, -1, -1), v[:, :, :c].expand(n, -1, -1, -1))
             self.prefix_hits += n
         self.largest_prefill = max(self.largest_prefill, n)
-        logits = self.net(x, None if mask.all() else mask, cache=cache, last_only=True).float()
-        self._remember_prefix(reqs[0].prompt, cache, mask[0])
-        return cache, mask, [self._pick(r, logits[i: i + 1]) for i, r in enumerate(reqs)]
+        return x, mask, cache
 
     def _reusable_prefix(self, reqs: list[Request]) -> int:
         """How many first tokens every newcomer shares with the kept prompt (0 below PREFIX_MIN; always
@@ -429,7 +448,12 @@ class Engine(_EngineLoop):
         B = len(self._rows)
         mask = torch.cat([self._mask, self._mask.new_ones(B, 1)], 1)
         full = bool(mask.all())
-        logits = self.decode(self._last[:, None], None if full else mask, cache=self._cache, last_only=True).float()
+        self._advance(mask, self.decode(self._last[:, None], None if full else mask, cache=self._cache,
+                                        last_only=True).float())
+
+    def _advance(self, mask: torch.Tensor, logits: torch.Tensor) -> None:
+        """Each row's next token from the step's (rows, V) logits; finished rows are marked to leave."""
+        B = len(self._rows)
         self._mask = mask
         if self.on_step:
             self.on_step(B)
