@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-
 import math
 
 import torch
@@ -337,9 +336,9 @@ class DecoderOnly(TransformerBase):
     def forward_packed(self, groups: list[tuple[torch.Tensor, torch.Tensor | None, DecoderCache]]) -> list[torch.Tensor]:
         """Several ``forward(ids, attention_mask, cache=cache, last_only=True)`` in one pass → each
         group's last-position logits (B_g, V). Every linear layer runs once over the tokens of all
-        groups, attention per group: on a memory-bound CPU a one-token decoding step of 16 rows costs
-        little more than one row, so a serving engine folds a newcomer's prompt into the running
-        batch's step instead of stopping the batch for a prefill of its own (serve.engine)."""
+        groups, attention per group: the weights are streamed once for all of them, so a serving
+        engine folds a newcomer's prompt into the running batch's step instead of stopping the batch
+        for a prefill of its own (serve.engine)."""
         xs, segments = [], []
         for ids, attention_mask, cache in groups:
             past, (B, T) = cache.length, ids.shape
@@ -351,10 +350,11 @@ class DecoderOnly(TransformerBase):
             xs.append(x.reshape(B * T, -1))
             segments.append((Segment(B, T, mask, is_causal, rope, bias), cache))
         h = self.decoder(torch.cat(xs)[None], segments=segments)[0]  # (N, d)
-        last = torch.tensor([s.rows * s.length for s, _ in segments]).cumsum(0)
-        rows = torch.cat([torch.arange(end - s.length * s.rows + s.length - 1, end, s.length)
-                          for (s, _), end in zip(segments, last.tolist())])  # each row's last token
-        logits = self._logits(h.index_select(0, rows.to(h.device)))
+        last, start = [], 0  # where each row's last token sits in the N packed tokens
+        for s, _ in segments:
+            last += range(start + s.length - 1, start + s.rows * s.length, s.length)
+            start += s.rows * s.length
+        logits = self._logits(h[torch.tensor(last, device=h.device)])  # (rows of all groups, V)
         return list(logits.split([s.rows for s, _ in segments]))
 
     def new_cache(self, capacity: int = 0) -> DecoderCache:

@@ -317,8 +317,10 @@ class Engine(_EngineLoop):
     def _admit_all(self, reqs: list[Request]) -> None:
         """Prefill the newcomers together, then splice the rows that go on into the batch. With a batch
         running, the prefill rides in the batch's next decoding step (``DecoderOnly.forward_packed``:
-        one pass over the weights for both; the step alone is memory-bound, so the prompt's tokens
-        cost little) instead of stopping every row for a forward of its own."""
+        one pass over the weights for both) instead of stopping every row for a forward of its own.
+        SmolLM2 fp32, 2 cores: a 16-row step ~65 ms, a one-prompt prefill ~50 ms (both mostly the
+        weights' stream), the two packed ~100 ms; 16 closed-loop clients on the engine alone: 182 → 211
+        tokens/s."""
         ok = []
         for req in reqs:
             try:
