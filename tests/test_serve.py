@@ -506,3 +506,51 @@ def test_page_chats_and_draws_attention_under_node(live, models, tmp_path):
     maps = models["mt"].attention("the dog", want)
     assert out["cells"] == maps["cross"][0].shape[1] * maps["cross"][0].shape[2]
     assert " → " in out["hover"]
+
+
+def test_engine_failures_in_a_packed_step_fail_the_batch_and_the_engine_goes_on(models):
+    """Driven directly (no thread): a newcomer's prompt rides in the running rows' step; when that packed
+    forward fails, the newcomer and the running rows get the error (their caches were half-written) and
+    the engine is empty; a newcomer whose first token cannot be picked fails alone; then the engine
+    serves again and its greedy answer is the one served alone."""
+    from attnlab.serve.engine import Engine, Request
+    lm = models["lm"]
+    prompt = lm.prompt_ids("the quick")
+
+    def request(n=6):
+        r = Request(prompt=list(prompt), max_new_tokens=n)
+        r.events = []
+        r._emit = r.events.append
+        return r
+
+    eng = Engine(lm, max_batch=4)
+    with torch.inference_mode():
+        running = request()
+        eng._admit_all([running])
+        eng.net.forward_packed = lambda groups: (_ for _ in ()).throw(RuntimeError("out of memory"))
+        newcomer = request()
+        eng._admit_all([newcomer])
+        del eng.net.forward_packed
+        assert eng._rows == [] and eng.packed_prefills == 0
+        for r in (running, newcomer):
+            assert r.events[-1][0] == "error" and "out of memory" in str(r.events[-1][1])
+
+        running = request()
+        eng._admit_all([running])
+        bad = request()
+        eng._pick = lambda req, logits: (_ for _ in ()).throw(ValueError("nan")) if req is bad else Engine._pick(eng, req, logits)
+        eng._admit_all([bad])
+        assert bad.events[-1][0] == "error" and len(eng._rows) == 1 and eng._rows[0] is running
+        assert eng.packed_prefills == 1
+        del eng._pick
+
+        late = request()
+        eng._admit_all([late])
+        while eng._rows:
+            eng._step()
+            eng._drop_finished()
+        assert eng.packed_prefills == 2
+    want = alone(lm, "the quick", 6)
+    for r in (running, late):
+        assert r.events[-1][0] == "done"
+        assert lm.tokenizer.decode([t for kind, t in r.events if kind == "token"]) == want

@@ -331,9 +331,11 @@ class Engine(_EngineLoop):
         if not ok:
             return
         packed = bool(self._rows) and hasattr(self.net, "forward_packed")
+        started = False  # whether the running rows' caches have been touched
         try:
             x, mask, cache = self._prefill_inputs(ok)
             if packed:
+                started = True
                 step_mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], 1)
                 running, logits = self.net.forward_packed([
                     (self._last[:, None], None if bool(step_mask.all()) else step_mask, self._cache),
@@ -344,14 +346,19 @@ class Engine(_EngineLoop):
             else:
                 logits = self.net(x, None if bool(mask.all()) else mask, cache=cache, last_only=True)
         except Exception as e:  # e.g. out of memory: these requests fail; a half-run packed step fails the batch
-            for req in ok + (self._rows if packed else []):
+            for req in ok + (self._rows if started else []):
                 req._emit(("error", e))
-            if packed:
+            if started:
                 self._reset()
             return
-        self._remember_prefix(ok[0].prompt, cache, mask[0])
-        logits = logits.float()
-        tokens = [self._pick(r, logits[i: i + 1]) for i, r in enumerate(ok)]
+        try:  # (the running rows are consistent here: only the newcomers fail)
+            self._remember_prefix(ok[0].prompt, cache, mask[0])
+            logits = logits.float()
+            tokens = [self._pick(r, logits[i: i + 1]) for i, r in enumerate(ok)]
+        except Exception as e:
+            for req in ok:
+                req._emit(("error", e))
+            return
         going = [i for i, (req, t) in enumerate(zip(ok, tokens)) if self._accept(req, t)]
         if not going:
             return
