@@ -37,3 +37,27 @@ def test_serve_load_smoke(tmp_path):
         assert row["errors"] == 0 and row["completed"] == row["requests"] == 2 and row["mixed"] == 0
         assert row["out_tok_s"] > 0 and row["req_s"] > 0 and row["ttft_p50_ms"] is not None
     assert r["ratios"]["targets"]["zero_errors"] is True
+
+
+def test_train_speed_nanogpt_step_runs(tmp_path):
+    """train_speed.py --nanogpt: the sides' per-iteration times parsed and compared. A stand-in checkout
+    (its train.py prints nanoGPT's log lines) keeps nanoGPT out of the suite; attnlab's side is the real
+    trainer update on a small text."""
+    ng = tmp_path / "nanoGPT"
+    (ng / "data" / "shakespeare_char").mkdir(parents=True)
+    (ng / "data" / "shakespeare_char" / "prepare.py").write_text("")
+    (ng / "train.py").write_text("import sys\nn = int([a for a in sys.argv if a.startswith('--max_iters=')][0].split('=')[1])\n"
+                                 "for i in range(n + 1):\n    print(f'iter {i}: loss 4.0000, time {50 + i}.00ms, mfu -100.00%')\n")
+    data = tmp_path / "tinyshakespeare"
+    data.mkdir()
+    (data / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 200)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--nanogpt",
+                          str(ng), "--nanogpt-iters", "12", "--rounds", "1", "--data", str(data),
+                          "--workdir", str(tmp_path / "work"), "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])["nanogpt_shakespeare"]
+    # 12 iterations, the first 10 untimed: the stand-in's iterations 10 and 11 (60 and 61 ms)
+    assert r["nanogpt"]["ms_per_iter_median"] == 60.5 and r["iterations_timed_per_side"] == 2
+    assert r["attnlab_fp32"]["ms_per_iter_median"] > 0
+    assert r["attnlab_fp32_over_nanogpt"] == round(r["attnlab_fp32"]["ms_per_iter_median"] / 60.5, 3)
