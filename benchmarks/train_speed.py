@@ -27,6 +27,7 @@ import argparse
 import gzip
 import json
 import math
+import os
 import re
 import resource
 import shutil
@@ -198,7 +199,7 @@ def nanogpt_step(args) -> dict:
     subprocess.run([sys.executable, "prepare.py"], cwd=data_dir, check=True, capture_output=True)
     iters = max(args.nanogpt_iters, WARMUP_ITERS + 1)
     threads = str(args.threads or torch.get_num_threads())
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": threads}
+    env = {**os.environ, "OMP_NUM_THREADS": threads}
     sides = ["nanogpt", "attnlab_fp32"] + (["attnlab_bf16"] if accel.bf16_native("cpu") else [])
     samples = {side: [] for side in sides}
     for _ in range(args.rounds):

@@ -322,6 +322,13 @@ class DecoderOnly(TransformerBase):
                 last_only: bool = False) -> torch.Tensor:
         """ids (B, T) → logits (B, T, V). ``attention_mask`` (B, past+T) marks real tokens; with
         left padding, positions count real tokens only, so a padded row equals the prompt alone."""
+        x, seg = self._embed_segment(ids, attention_mask, cache, positions)
+        h = self.decoder(x, mask=seg.mask, is_causal=seg.is_causal, rope=seg.rope, bias=seg.bias, cache=cache)
+        return self._logits(h[:, -1] if last_only else h)
+
+    def _embed_segment(self, ids, attention_mask, cache, positions=None) -> tuple[torch.Tensor, Segment]:
+        """Embedded ids (B, T, d) and what their attention needs: mask, RoPE angles, bias. Positions
+        follow the cache and, with left padding, count real tokens only."""
         past = cache.length if cache is not None else 0
         B, T = ids.shape
         k_pos = _key_positions(attention_mask, past + T, ids.device)
@@ -330,8 +337,7 @@ class DecoderOnly(TransformerBase):
         x = self.embed(ids, positions)
         rope, bias = self._attention_positions(positions, k_pos, x.dtype, self.decoder)
         mask, is_causal = decoder_self_mask(attention_mask, T, past, ids.device)
-        h = self.decoder(x, mask=mask, is_causal=is_causal, rope=rope, bias=bias, cache=cache)
-        return self._logits(h[:, -1] if last_only else h)
+        return x, Segment(B, T, mask, is_causal, rope, bias)
 
     def forward_packed(self, groups: list[tuple[torch.Tensor, torch.Tensor | None, DecoderCache]]) -> list[torch.Tensor]:
         """Several ``forward(ids, attention_mask, cache=cache, last_only=True)`` in one pass → each
@@ -341,14 +347,9 @@ class DecoderOnly(TransformerBase):
         for a prefill of its own (serve.engine)."""
         xs, segments = [], []
         for ids, attention_mask, cache in groups:
-            past, (B, T) = cache.length, ids.shape
-            k_pos = _key_positions(attention_mask, past + T, ids.device)
-            positions = k_pos[..., past:]
-            x = self.embed(ids, positions)
-            rope, bias = self._attention_positions(positions, k_pos, x.dtype, self.decoder)
-            mask, is_causal = decoder_self_mask(attention_mask, T, past, ids.device)
-            xs.append(x.reshape(B * T, -1))
-            segments.append((Segment(B, T, mask, is_causal, rope, bias), cache))
+            x, seg = self._embed_segment(ids, attention_mask, cache)
+            xs.append(x.reshape(seg.rows * seg.length, -1))
+            segments.append((seg, cache))
         h = self.decoder(torch.cat(xs)[None], segments=segments)[0]  # (N, d)
         last, start = [], 0  # where each row's last token sits in the N packed tokens
         for s, _ in segments:

@@ -253,6 +253,11 @@ def _splice(old: torch.Tensor, new: torch.Tensor, old_len: int, new_len: int, ro
     return out, N
 
 
+def _or_none(mask: torch.Tensor) -> torch.Tensor | None:
+    """A key mask, or None when every key is real (the model then takes its unmasked fast path)."""
+    return None if bool(mask.all()) else mask
+
+
 def _cut_left(cache, mask: torch.Tensor) -> torch.Tensor:
     """Columns that are padding in every row (their requests left): cut them off the left."""
     first = int(mask.any(0).long().argmax())
@@ -336,15 +341,14 @@ class Engine(_EngineLoop):
             x, mask, cache = self._prefill_inputs(ok)
             if packed:
                 started = True
-                step_mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], 1)
+                step_mask = self._step_mask()
                 running, logits = self.net.forward_packed([
-                    (self._last[:, None], None if bool(step_mask.all()) else step_mask, self._cache),
-                    (x, None if bool(mask.all()) else mask, cache)])
+                    (self._last[:, None], _or_none(step_mask), self._cache), (x, _or_none(mask), cache)])
                 self._advance(step_mask, running.float())
                 self.steps += 1
                 self.packed_prefills += 1
             else:
-                logits = self.net(x, None if bool(mask.all()) else mask, cache=cache, last_only=True)
+                logits = self.net(x, _or_none(mask), cache=cache, last_only=True)
         except Exception as e:  # e.g. out of memory: these requests fail; a half-run packed step fails the batch
             for req in ok + (self._rows if started else []):
                 req._emit(("error", e))
@@ -454,11 +458,13 @@ class Engine(_EngineLoop):
 
     def _step(self) -> None:
         """One token for every row of the batch."""
-        B = len(self._rows)
-        mask = torch.cat([self._mask, self._mask.new_ones(B, 1)], 1)
-        full = bool(mask.all())
-        self._advance(mask, self.decode(self._last[:, None], None if full else mask, cache=self._cache,
+        mask = self._step_mask()
+        self._advance(mask, self.decode(self._last[:, None], _or_none(mask), cache=self._cache,
                                         last_only=True).float())
+
+    def _step_mask(self) -> torch.Tensor:
+        """The batch's key mask with the column of the token this step feeds."""
+        return torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], 1)
 
     def _advance(self, mask: torch.Tensor, logits: torch.Tensor) -> None:
         """Each row's next token from the step's (rows, V) logits; finished rows are marked to leave."""
@@ -565,8 +571,7 @@ class TranslationEngine(_EngineLoop):
     def _step(self) -> None:
         R = self._last.shape[0]
         mask = torch.cat([self._mask, self._mask.new_ones(R, 1)], 1)
-        src_mask = None if self._src_mask.all() else self._src_mask
-        logits = self.decode(self._last[:, None], None, src_mask, None if mask.all() else mask,
+        logits = self.decode(self._last[:, None], None, _or_none(self._src_mask), _or_none(mask),
                              cache=self._cache, last_only=True).float()
         self._mask = mask
         if self.on_step:
