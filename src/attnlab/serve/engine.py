@@ -324,8 +324,7 @@ class Engine(_EngineLoop):
         running, the prefill rides in the batch's next decoding step (``DecoderOnly.forward_packed``:
         one pass over the weights for both) instead of stopping every row for a forward of its own.
         SmolLM2 fp32, 2 cores: a 16-row step ~65 ms, a one-prompt prefill ~50 ms (both mostly the
-        weights' stream), the two packed ~100 ms; 16 closed-loop clients on the engine alone: 182 → 211
-        tokens/s."""
+        weights' stream), the two packed ~100 ms (docs/results.md, "prefills inside the decoding step")."""
         ok = []
         for req in reqs:
             try:
