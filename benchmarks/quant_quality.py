@@ -9,7 +9,11 @@ bf16=..., quantize=...)``, the path of ``attnlab generate --quantize``.
   that differs from fp32's continuation, and how many of the 5 are identical;
 * **weights MB**: parameters and buffers, with the int4 kernel's packed copy once it exists;
 * **decode tok/s**: greedy, batch 1, ``--new`` tokens after a short prompt (best of ``--repeats``,
-  same threads for every row).
+  same threads for every row);
+* with ``--compile``, for the quantised rows, the same measures of the compiled decode step
+  (``generate(..., compile=True)``), which computes differently from the eager one (fused ops,
+  inductor's own int8/int4 GEMMs): perplexity and top-1 over the same blocks fed one token at a time
+  through it (the KV cache's path), greedy agreement, speed.
 
 Rows ``int8``/``int4`` keep fp32 activations (on x86 the decoding kernels still compute in bf16: see
 attnlab/quant.py); ``int8+bf16``/``int4+bf16`` load with ``bf16=True`` as well. ``int4`` keeps the
@@ -21,7 +25,7 @@ tests/test_quant.py), while int8's per-channel scales re-round them: on this mod
 requantisation error that int4 does not have.
 
     python benchmarks/quant_quality.py [--tokens 20000] [--threads 2] [--quick] [--model smollm2]
-        [--configs fp32,bf16,int8,int4] [--data input.txt(.gz)] [--block 1024] [--new 64]
+        [--configs fp32,bf16,int8,int4] [--data input.txt(.gz)] [--block 1024] [--new 64] [--compile]
 
 ``--quick`` (1,000 tokens, 16 new tokens, one repeat) is what the smoke test runs, on a tiny model
 directory given as ``--model DIR``.
@@ -74,6 +78,27 @@ def perplexity(module, ids: torch.Tensor, block: int):
     return math.exp(nll / count), torch.cat(top)
 
 
+@torch.no_grad()
+def stepped_perplexity(module, ids: torch.Tensor, block: int):
+    """:func:`perplexity` over the same blocks and positions, one token at a time through the compiled
+    decode step (the KV cache's path: what ``generate(..., compile=True)`` computes)."""
+    from attnlab.accel import compiled_step
+    step = compiled_step(module, module)
+    nll, count, top = 0.0, 0, []
+    for s in range(0, len(ids) - 1, block):
+        x = ids[s: s + block + 1]
+        if len(x) < 2:
+            break
+        cache = module.new_cache(capacity=len(x))
+        rows = [module(x[None, :1], cache=cache, last_only=True)]  # the first position: the eager prefill
+        rows += [step(x[None, t: t + 1], None, cache=cache, last_only=True) for t in range(1, len(x) - 1)]
+        logits = torch.cat(rows).float()  # (T, V)
+        nll += F.cross_entropy(logits, x[1:], reduction="sum").item()
+        count += len(x) - 1
+        top.append(logits.argmax(-1))
+    return math.exp(nll / count), torch.cat(top)
+
+
 def weight_megabytes(module) -> float:
     """Parameters and buffers, plus what the quantised layers derived from them for their kernels (the
     int4 kernel's packed copy, bf16 copies of scales): the memory the weights hold after decoding."""
@@ -104,6 +129,8 @@ def main():
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated, from {', '.join(CONFIGS)} (default: all but the last)")
     ap.add_argument("--data", default=str(DATA), help="Tiny Shakespeare input.txt or input.txt.gz")
+    ap.add_argument("--compile", action="store_true",
+                    help="also the compiled decode step of the quantised rows: its greedy agreement and speed")
     ap.add_argument("--quick", action="store_true", help="1,000 tokens, 16 new tokens, one repeat (a smoke test)")
     args = ap.parse_args()
     if args.quick:
@@ -145,10 +172,25 @@ def main():
             t0 = time.perf_counter()
             generate(m.module, speed_ids, max_new_tokens=n, min_new_tokens=n)
             times.append(time.perf_counter() - t0)
+        weight_mb = weight_megabytes(m.module)  # before compiling adds the kernels' own copies
+        compiled = None
+        if args.compile and quantize:  # the compiled step computes differently (fused, its own GEMMs)
+            t0 = time.perf_counter()
+            greedy_c = [generate(m.module, p, max_new_tokens=n, min_new_tokens=n, compile=True).sequences[0]
+                        for p in prompts]
+            compile_s = time.perf_counter() - t0
+            ppl_c, top_c = stepped_perplexity(m.module, ids, block)
+            ctimes = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                generate(m.module, speed_ids, max_new_tokens=n, min_new_tokens=n, compile=True)
+                ctimes.append(time.perf_counter() - t0)
+            compiled = {"greedy": greedy_c, "tok_s": round(n / min(ctimes), 1), "compile_s": round(compile_s, 1),
+                        "ppl": ppl_c, "top": top_c}
         row = {"config": name, "weights": (quantize + (f" (head {head})" if head else "")) if quantize
                else str(next(m.module.parameters()).dtype).replace("torch.", ""),
                "activations": str(next(m.module.parameters()).dtype).replace("torch.", ""),
-               "weight_MB": weight_megabytes(m.module), "ppl": round(ppl, 3),
+               "weight_MB": weight_mb, "ppl": round(ppl, 3),
                "decode_tok_s": round(n / min(times), 1), "load_s": round(load_s, 1)}
         if name == "fp32":
             ref = {"ppl": ppl, "top": top, "greedy": greedy}
@@ -158,6 +200,16 @@ def main():
             row["greedy_same_prefix"] = round(sum(common_prefix(a, b) for a, b in zip(greedy, ref["greedy"]))
                                               / sum(len(b) for b in ref["greedy"]), 3)
             row["greedy_identical"] = f"{sum(a == b for a, b in zip(greedy, ref['greedy']))}/{len(greedy)}"
+        if compiled is not None:
+            row["compiled_tok_s"], row["compile_s"] = compiled["tok_s"], compiled["compile_s"]
+            row["compiled_ppl"] = round(compiled["ppl"], 3)
+            if ref is not None:
+                row["compiled_ppl_vs_fp32"] = f"{100 * (compiled['ppl'] / ref['ppl'] - 1):+.2f}%"
+                row["compiled_top1_same"] = round((compiled["top"] == ref["top"]).float().mean().item(), 4)
+                g = compiled["greedy"]
+                row["compiled_greedy_same_prefix"] = round(sum(common_prefix(a, b) for a, b in zip(g, ref["greedy"]))
+                                                           / sum(len(b) for b in ref["greedy"]), 3)
+                row["compiled_greedy_identical"] = f"{sum(a == b for a, b in zip(g, ref['greedy']))}/{len(g)}"
         rows.append(row)
         print(name, json.dumps(row), flush=True)
         del m
@@ -171,6 +223,10 @@ def main():
             "greedy_identical", "decode_tok_s"]
     heads = ["config", "weights", "activations", "weights MB", "perplexity", "vs fp32", "top-1 = fp32",
              "greedy = fp32 (prefix)", "identical", "decode tok/s"]
+    if args.compile:
+        cols += ["compiled_ppl", "compiled_ppl_vs_fp32", "compiled_top1_same", "compiled_greedy_same_prefix",
+                 "compiled_greedy_identical", "compiled_tok_s"]
+        heads += ["compiled: perplexity", "vs fp32", "top-1 = fp32", "greedy = fp32 (prefix)", "identical", "tok/s"]
     print("| " + " | ".join(heads) + " |")
     print("|" + "---|" * len(heads))
     for r in rows:

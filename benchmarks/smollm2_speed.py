@@ -7,8 +7,10 @@ llama-cpp-python is installed, llama.cpp on the same GGUF file as the outside re
                                        [--as-avx2]
 
 --compile also times ``generate(..., compile=True)`` (torch.compile of the decode step; the
-compilation time is reported separately, as ``compile_s``). --quantize adds attnlab rows with
-weight-only int8 / int4 weights (``attnlab.quant``), each against llama.cpp's Q4_1 on the same file.
+compilation time is reported separately, as ``compile_s``; skipped for fp32 weights, see
+``accel.compiled_step``). --quantize adds attnlab rows with weight-only int8 / int4 weights
+(``attnlab.quant``), eager and — with --compile — compiled, timed in turns with llama.cpp's Q4_1 on
+the same file (best of --repeats rounds each), with how many greedy tokens agree with attnlab's fp32.
 --as-avx2 runs everything with PyTorch, oneDNN and MKL capped at AVX2 (``accel.AVX2_ENVIRONMENT``):
 the stand-in for an AVX2-only CPU.
 """
@@ -98,39 +100,80 @@ def main():
         if name == "fp32":
             a_fp32 = a
         print(name, json.dumps(row), flush=True)
+    del hf, ours
     if args.quantize:
-        from attnlab.accel import accelerate_for_inference
-        from attnlab.quant import quantize_model
-        for kind in args.quantize.split(","):
-            q = load_pretrained("smollm2")
-            accelerate_for_inference(quantize_model(q.model, kind).eval())
+        _quantised_rows(args, results, ids, a_fp32, path)
+    else:
+        llm = _llama(path)
+        results["llama_cpp_Q4_1_tok_s"] = None
+        if llm is not None:
+            best = max(n / _time(lambda: _run_llama(llm, n)) for _ in range(args.repeats))
+            results["llama_cpp_Q4_1_tok_s"] = round(best, 1)
+            for key in [k for k in ("fp32", "bf16") if k in results]:
+                results[key]["vs_llama_cpp"] = round(results[key]["attnlab_tok_s"] / best, 2)
+    print(json.dumps(results))
 
-            def run_q():
-                return generate(q.model, ids, max_new_tokens=n, min_new_tokens=n).sequences[0]
-            out = run_q()
-            t_q = min(_time(run_q) for _ in range(args.repeats))
-            results[kind] = {"attnlab_tok_s": round(n / t_q, 1), "vs_fp32": round(results["fp32"]["attnlab_tok_s"] and
-                                                                                   n / t_q / results["fp32"]["attnlab_tok_s"], 2),
-                             "same_tokens_as_fp32": out == a_fp32}
-            print(kind, json.dumps(results[kind]), flush=True)
+
+def _llama(path):
+    """llama.cpp (llama-cpp-python) on the same GGUF file, warmed up; None where it is not installed."""
     try:
         from llama_cpp import Llama
-        llm = Llama(model_path=str(path), n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
-                    n_ctx=512, verbose=False)
-        llm(PROMPT, max_tokens=8, temperature=0.0, top_k=1)
-        best = None
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            out = llm(PROMPT, max_tokens=n, temperature=0.0, top_k=1)
-            rate = out["usage"]["completion_tokens"] / (time.perf_counter() - t0)
-            best = max(best or 0, rate)
-        results["llama_cpp_Q4_1_tok_s"] = round(best, 1)
-        print("llama.cpp", results["llama_cpp_Q4_1_tok_s"], "tok/s (Q4_1, its 4-token prompt included in the time)")
-        for key in [k for k in ("fp32", "bf16", "int8", "int4") if k in results]:
-            results[key]["vs_llama_cpp"] = round(results[key]["attnlab_tok_s"] / best, 2)
     except ImportError:
-        results["llama_cpp_Q4_1_tok_s"] = None
-    print(json.dumps(results))
+        return None
+    llm = Llama(model_path=str(path), n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
+                n_ctx=512, verbose=False)
+    llm(PROMPT, max_tokens=8, temperature=0.0, top_k=1)
+    return llm
+
+
+def _run_llama(llm, n):
+    out = llm(PROMPT, max_tokens=n, temperature=0.0, top_k=1)  # its 4-token prompt is in the time
+    assert out["usage"]["completion_tokens"] == n, out["usage"]  # greedy, no EOS in these 64-128 tokens
+    return out
+
+
+def _quantised_rows(args, results, ids, a_fp32, path):
+    """attnlab with int8 / int4 weights (eager, and compiled with --compile) and llama.cpp's Q4_1, timed
+    in turns: every round times each of them once, best round each (the machine drifts within minutes)."""
+    from attnlab.accel import accelerate_for_inference
+    from attnlab.generate import generate
+    from attnlab.pretrained import load_pretrained
+    from attnlab.quant import quantize_model
+    n = args.tokens
+    runs = {}  # name → a function that decodes n tokens
+    for kind in args.quantize.split(","):
+        q = load_pretrained("smollm2")
+        accelerate_for_inference(quantize_model(q.model, kind).eval())
+        for compiled in (False, True) if args.compile else (False,):
+            name = kind + (" compiled" if compiled else "")
+
+            def run(model=q.model, compiled=compiled):
+                return generate(model, ids, max_new_tokens=n, min_new_tokens=n, compile=compiled).sequences[0]
+            t0 = time.perf_counter()
+            out = run()  # warm-up (for the compiled step: the compilation)
+            row = {"same_tokens_as_fp32": out == a_fp32,
+                   "same_prefix_as_fp32": next((i for i, (x, y) in enumerate(zip(out, a_fp32)) if x != y), n)}
+            if compiled:
+                row["compile_s"] = round(time.perf_counter() - t0, 1)
+            results[name] = row
+            runs[name] = run
+    llm = _llama(path)
+    if llm is not None:
+        runs["llama.cpp"] = lambda: _run_llama(llm, n)
+    best = {name: 0.0 for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            best[name] = max(best[name], n / _time(run))
+    for name in runs:
+        if name != "llama.cpp":
+            results[name].update({"attnlab_tok_s": round(best[name], 1),
+                                  "vs_fp32": round(best[name] / results["fp32"]["attnlab_tok_s"], 2)})
+    results["llama_cpp_Q4_1_tok_s"] = round(best["llama.cpp"], 1) if llm is not None else None
+    for key in [k for k in results if isinstance(results[k], dict) and "attnlab_tok_s" in results[k]]:
+        if llm is not None:
+            results[key]["vs_llama_cpp"] = round(results[key]["attnlab_tok_s"] / best["llama.cpp"], 2)
+    for name in runs:
+        print(name, json.dumps(results.get(name, {"tok_s": round(best[name], 1)})), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnlab
-from attnlab import quant
+from attnlab import accel, quant
 from attnlab.quant import Int4Linear, Int8Linear, quantize_model
 
 
@@ -431,10 +431,70 @@ def test_quant_quality_benchmark_runs_quick(lm_dir, tmp_path):
     (tmp_path / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 60,
                                         encoding="utf-8")
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "quant_quality.py"), "--quick", "--model", str(lm_dir),
-                          "--data", str(tmp_path / "input.txt"), "--threads", "1", "--configs", "fp32,int8,int4"],
+                          "--data", str(tmp_path / "input.txt"), "--threads", "1",
+                          *(["--configs", "fp32,int4", "--compile"] if accel.can_compile("cpu")  # one compilation
+                            else ["--configs", "fp32,int8,int4"])],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [row["config"] for row in r["rows"]] == ["fp32", "int8", "int4"]
+    assert [row["config"] for row in r["rows"]] == (["fp32", "int4"] if accel.can_compile("cpu") else ["fp32", "int8", "int4"])
     assert all(row["ppl"] > 1 and row["decode_tok_s"] > 0 for row in r["rows"])
     assert "| int4 | int4 | float32 |" in res.stdout
+    if accel.can_compile("cpu"):  # the compiled step's perplexity, fed one token at a time, is the forward's
+        for row in r["rows"][1:]:
+            assert abs(row["compiled_ppl"] / row["ppl"] - 1) < 0.02 and row["compiled_top1_same"] > 0.9, row
+
+
+# -- the compiled decoding step ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not accel.can_compile("cpu"), reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.parametrize("kind,kernels", [("int4", True), ("int8", False)])
+def test_compiled_quantised_step_matches_the_eager_step(monkeypatch, kind, kernels):
+    """`generate(..., compile=True)` of a quantised fp32 model (not skipped like plain fp32): the kernel's
+    tensors become non-persistent buffers traced as constants (not in the state dict), and each step's
+    logits are the eager step's — to bf16 rounding where the kernels run (in bf16 on x86), to float
+    rounding where they may not and the dequantise-and-multiply is traced."""
+    from attnlab.generate.search import DecoderOnlyStepper
+    _kernels(monkeypatch, kernels)
+    torch.manual_seed(0)
+    model = quantize_model(_model("llama-mini"), kind)
+    keys = set(model.state_dict())
+    prompt = torch.randint(4, 320, (2, 5))
+    with torch.inference_mode():
+        eager = DecoderOnlyStepper(model, prompt, None, capacity=16)
+        compiled = DecoderOnlyStepper(model, prompt, None, capacity=16, compile=True)
+        assert compiled.decode is not model  # compiled, although fp32 on CPU
+        layers = [m for m in model.modules() if isinstance(m, quant._QuantLinear)]
+        used = kernels and quant.quant_kernels_ok(kind, quant.kernel_dtype(torch.float32))
+        assert all((m.compile_dtype is not None) == (used and m.kernel_shape_ok) for m in layers)
+        assert any(m.compile_dtype is not None for m in layers) == used
+        assert set(model.state_dict()) == keys  # the kernel buffers are not saved
+        tok = None
+        for _ in range(4):
+            a, b = eager.step(tok), compiled.step(tok)
+            assert _cos(b, a) > (0.999 if used else 0.99999)
+            assert (b - a).abs().max() <= (0.05 if used else 1e-4) * a.abs().max()
+            tok = a.argmax(-1, keepdim=True)
+
+
+@pytest.mark.skipif(not accel.can_compile("cpu"), reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_step_is_made_again_when_the_weights_change(monkeypatch):
+    """Dynamo's guards on the model's modules are skipped (they cost ~10% of a quantised step), so a
+    compiled step must not outlive the weights it froze: asked again after an in-place change, or after
+    a flag that changes what the forward does, compiled_step compiles again."""
+    _kernels(monkeypatch, False)  # the traced eager path: exact, so the change shows in the logits
+    torch.manual_seed(0)
+    model = quantize_model(_model("llama-mini", n_decoder_layers=1), "int8")
+    ids = torch.randint(4, 320, (1, 3))
+    step = accel.compiled_step(model, model)
+    assert accel.compiled_step(model, model) is step  # nothing changed: the same step
+    with torch.no_grad():
+        before = step(ids, last_only=True)
+        model.lm_head.scales.mul_(2)  # in place: same storage, new version
+        again = accel.compiled_step(model, model)
+        assert again is not step
+        torch.testing.assert_close(again(ids, last_only=True), model(ids, last_only=True), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(again(ids, last_only=True), 2 * before, atol=1e-4, rtol=1e-4)
+        model.decoder.layers[0].self_attn.record_weights = True
+        assert accel.compiled_step(model, model) is not again

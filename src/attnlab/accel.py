@@ -334,44 +334,75 @@ def compiled_step(model: torch.nn.Module, fn):
     batch), so one compilation serves a whole generation and later ones. Compiling costs about a
     minute for a 30-layer model on 2 CPU cores: worth it for long or repeated generation. On CPU in
     fp32 inductor's frozen linears are MKL's, slower for one row than the eager oneDNN-packed ones
-    (``accel.PackedLinear``), so there the eager step is kept (measured: docs/results.md). Where
-    ``accel.can_compile`` says no (no C++ compiler, no triton) or the build fails, the eager step
-    runs, with the same results. Frozen weights are a snapshot: when a parameter changes, the step is
-    compiled again.
+    (``accel.PackedLinear``), so there the eager step is kept (measured: docs/results.md) — unless
+    the model is quantised (``attnlab.quant``): its int8/int4 products are traced as constants and,
+    with ``max_autotune``, inductor may generate its own GEMM for them (see ``quant``'s docstring).
+    Where ``accel.can_compile`` says no (no C++ compiler, no triton) or the build fails, the eager
+    step runs, with the same results.
+
+    Frozen weights are a snapshot, and dynamo's guards on the model's modules (hundreds of checks per
+    call, ~10% of a quantised step) are skipped but for the frozen tensors' identities
+    (``_frozen_tensor_guards_only``): instead the compiled step is keyed on every parameter and
+    buffer (storage, version, dtype) and on the modules' ``training`` and ``record_weights`` flags,
+    and compiled again when ``compiled_step`` is next asked for it (each ``generate`` call asks) after
+    any of them changed. Guards on the step's own inputs (shapes, dtypes, the cache) stay.
     """
+    from . import quant
     p0 = next(model.parameters())
-    if p0.device.type == "cpu" and p0.dtype == torch.float32:
+    quantised = quant.quantized_kind(model) is not None
+    if p0.device.type == "cpu" and p0.dtype == torch.float32 and not quantised:
         if not getattr(compiled_step, "warned", False):
             compiled_step.warned = True
             warnings.warn("compile skipped: on CPU in fp32 attnlab's eager pre-packed linears decode faster "
-                          "than the compiled step (use bf16 to benefit from compile)")
+                          "than the compiled step (use bf16 or --quantize to benefit from compile)")
         return fn
     if not can_compile(p0.device):  # no C++ compiler (CPU) or no triton (CUDA): eager, same results
         return fn
-    key = tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
     entry = _COMPILED.get(model)
-    if entry is None or entry[0] != key:
+    if entry is None or entry[0] != _model_state(model):
         if entry is not None:
             torch._dynamo.reset()  # dynamo's cache would otherwise keep serving the old constants
-        compiled = torch.compile(fn, dynamic=True)
-        failed = []
+        if quantised:
+            quant.prepare_for_compile(model, p0.dtype)
+        compiled = torch.compile(fn, dynamic=True, options={"guard_filter_fn": _frozen_tensor_guards_only})
+        # what inductor is told, best first: a quantised model's GEMM templates may not build (e.g. an
+        # AVX-512 kernel where PyTorch is capped at AVX2), then the aten kernels in a fused graph, then eager
+        tries = [{"freezing": True}]
+        if quantised:
+            tries.insert(0, {"freezing": True, "max_autotune": True, "autotune_num_choices_displayed": 0})
 
         def step(*args, **kwargs):
             import torch._inductor.config as inductor_config
-            if failed:
-                return fn(*args, **kwargs)
-            try:
-                with inductor_config.patch(freezing=True):  # read when (re)compiling, i.e. inside the call
-                    return compiled(*args, **kwargs)
-            except Exception as e:  # a compiler that is present but cannot build: the eager step
-                if not _is_compile_failure(e):
-                    raise
-                failed.append(e)
-                log.debug("compiled decode step failed to build (%s): eager decoding", str(e).splitlines()[0])
-                return fn(*args, **kwargs)
-        entry = (key, step)
+            while tries:
+                try:
+                    with inductor_config.patch(tries[0]):  # read when (re)compiling, i.e. inside the call
+                        return compiled(*args, **kwargs)
+                except Exception as e:  # a compiler that is present but cannot build this
+                    if not _is_compile_failure(e):
+                        raise
+                    log.debug("compiled decode step failed to build with %s (%s)", tries.pop(0),
+                              str(e).strip().splitlines()[:3])
+            return fn(*args, **kwargs)
+        entry = (_model_state(model), step)
         _COMPILED[model] = entry
     return entry[1]
+
+
+def _frozen_tensor_guards_only(entries) -> list[bool]:
+    """Which of dynamo's guards a compiled step keeps: none on the modules' attributes and hooks
+    (``compiled_step``'s own key stands for them), except the identity of every frozen weight. Those
+    matter: dynamo caches per code object, so two models of the same architecture share a cache, and
+    without the identity checks the second would run the first's frozen weights."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    return [k or e.guard_type == "ID_MATCH" for k, e in zip(keep, entries)]
+
+
+def _model_state(model: torch.nn.Module) -> tuple:
+    """What a compiled step of ``model`` depends on beyond its inputs (see ``compiled_step``)."""
+    tensors = tuple((t.data_ptr(), -1 if t.is_inference() else t._version, t.dtype)  # inference tensors: no version
+                    for t in (*model.parameters(), *model.buffers()))
+    flags = tuple((m.training, getattr(m, "record_weights", False)) for m in model.modules())
+    return tensors, flags
 
 
 def _is_compile_failure(e: Exception) -> bool:

@@ -46,11 +46,18 @@ forces):
   ``in_features % 16 == 0`` and 32-byte-aligned inputs (a misaligned input is copied first); other
   shapes would read past the row or crash, which no probe can catch. The int4 kernel needs
   ``out_features % 16 == 0``, ``in_features % group_size == 0`` and a group size of 32/64/128/256.
-* Not under ``torch.compile`` (the eager path is traced instead), not where gradients are needed,
-  not on GPU.
+* Not where gradients are needed, not on GPU.
 
 The int4 kernel wants its own packed weight layout; it is made on first use and kept next to the
 portable one (0.5 byte per weight each), like ``accel.PackedLinear``'s cache.
+
+**Under ``torch.compile``** (``generate(..., compile=True)``, ``--compile``; ``accel.compiled_step``)
+the kernel-ready tensors are made beforehand as non-persistent buffers (:func:`prepare_for_compile`),
+so that inductor, with frozen weights and ``max_autotune``, sees constant int8/int4 weights and may
+replace the two aten kernels by its own generated GEMM for them (``CppGemmTemplate``, vectorised
+dequantisation inside the product). That and the fused small ops between them is what makes a compiled
+quantised decode step much faster than the eager one (docs/results.md). Where no kernel may run
+(shape, ``ATTNLAB_QUANT_KERNELS=0``, a failed probe), the eager dequantise-and-multiply is traced.
 """
 
 from __future__ import annotations
@@ -144,11 +151,30 @@ class _QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._derived: dict = {}  # key → (stamp of the buffers it came from, tensor)
+        self.compile_dtype: torch.dtype | None = None  # set by prepare_for_compile: the kernel runs traced
+
+    def prepare_for_compile(self, dtype: torch.dtype) -> None:
+        """Before ``torch.compile`` traces this layer with ``dtype`` activations: register the kernel's
+        tensors as (non-persistent) buffers — traced code cannot use the data-pointer cache — or, where
+        no kernel may run, let the eager path be traced."""
+        kdtype = kernel_dtype(dtype)
+        ok = (self.kernel_shape_ok and self._portable()[0].device.type == "cpu"
+              and dtype in (torch.float32, torch.bfloat16, torch.float16) and quant_kernels_ok(self.kind, kdtype))
+        self.compile_dtype = kdtype if ok else None
+        if ok:
+            for name, t in self._kernel_tensors(kdtype).items():
+                self.register_buffer(name, t, persistent=False)
+
+    def _portable(self) -> list[torch.Tensor]:
+        """The buffers that define the layer (what a state dict holds)."""
+        return [t for n, t in self._buffers.items() if n not in self._non_persistent_buffers_set]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._eager(x) if self.compile_dtype is None else self._compiled(x)
         dtype = self._kernel_dtype(x)
         if dtype is None:
             return self._eager(x)
@@ -157,7 +183,7 @@ class _QuantLinear(nn.Module):
 
     def _kernel_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype to run the kernel in, or None for the eager path."""
-        if not self.kernel_shape_ok or x.device.type != "cpu" or x.numel() == 0 or torch.compiler.is_compiling():
+        if not self.kernel_shape_ok or x.device.type != "cpu" or x.numel() == 0:
             return None
         if x.numel() // x.shape[-1] > KERNEL_MAX_ROWS[self.kind] or (torch.is_grad_enabled() and x.requires_grad):
             return None
@@ -174,7 +200,7 @@ class _QuantLinear(nn.Module):
         """A tensor derived from the buffers (a dtype copy, a packed layout), made once and made again
         whenever a buffer changes (``.to()``, ``load_state_dict``: new storage or a new version)."""
         try:
-            stamp = tuple((t.data_ptr(), t._version, t.dtype) for t in self._buffers.values())
+            stamp = tuple((t.data_ptr(), t._version, t.dtype) for t in self._portable())
         except RuntimeError:  # inference-mode tensors have no version counter: no cache
             return make()
         hit = self._derived.get(key)
@@ -227,6 +253,14 @@ class Int8Linear(_QuantLinear):
             w = self._cached("aligned", lambda: self.weight_int8.clone(memory_format=torch.contiguous_format))
         out = torch.ops.aten._weight_int8pack_mm(x2, w, scales)  # (M, N)
         return self._add_bias(out.reshape(*x.shape[:-1], self.out_features))
+
+    def _kernel_tensors(self, dtype):
+        return {"kernel_weight": self.weight_int8.contiguous(), "kernel_scales": self.scales.to(dtype)}
+
+    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(self.compile_dtype)  # (M, K)
+        out = torch.ops.aten._weight_int8pack_mm(x2, self.kernel_weight, self.kernel_scales)  # (M, N)
+        return self._add_bias(out.reshape(*x.shape[:-1], self.out_features).to(x.dtype))
 
 
 class Int4Linear(_QuantLinear):
@@ -296,13 +330,26 @@ class Int4Linear(_QuantLinear):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K)
-        packed = self._cached("packed", lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            self.unpacked().to(torch.int32), 1))  # the kernel's own blocked layout, (N, K/2) uint8
+        packed = self._packed()
         sz = self.scales_and_zeros
         if sz.dtype != x.dtype:
             sz = self._cached(("sz", x.dtype), lambda: self.scales_and_zeros.to(x.dtype))
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, sz)  # (M, N)
         return self._add_bias(out.reshape(*x.shape[:-1], self.out_features))
+
+    def _packed(self) -> torch.Tensor:
+        """The kernel's own blocked layout, (N, K/2) uint8 (made once; the compiled step shares it)."""
+        return self._cached("packed", lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            self.unpacked().to(torch.int32), 1))
+
+    def _kernel_tensors(self, dtype):
+        return {"kernel_weight": self._packed(), "kernel_scales": self.scales_and_zeros.to(dtype)}
+
+    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(self.compile_dtype)  # (M, K)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.kernel_weight, self.group_size,
+                                                          self.kernel_scales)  # (M, N)
+        return self._add_bias(out.reshape(*x.shape[:-1], self.out_features).to(x.dtype))
 
 
 # -- the model ------------------------------------------------------------------------------------------------
@@ -333,11 +380,20 @@ def quantize_model(model: nn.Module, kind: str = "int8", group_size: int = 32, h
     return model
 
 
+def prepare_for_compile(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Ready every quantised layer of ``model`` to be traced by ``torch.compile`` with ``dtype``
+    activations (see the module docstring); whether there were any."""
+    layers = [m for m in model.modules() if isinstance(m, _QuantLinear)]
+    for layer in layers:
+        layer.prepare_for_compile(dtype)
+    return bool(layers)
+
+
 def quantized_kind(model: nn.Module) -> str | None:
     """"int8", "int4", "int8+int4" or None: what :func:`quantize_model` made of ``model``."""
     kinds = sorted({m.kind for m in model.modules() if isinstance(m, _QuantLinear)}, reverse=True)
     return "+".join(kinds) or None
 
 
-__all__ = ["quantize_model", "quantized_kind", "Int8Linear", "Int4Linear", "quant_kernels_ok", "kernel_dtype",
+__all__ = ["quantize_model", "quantized_kind", "prepare_for_compile", "Int8Linear", "Int4Linear", "quant_kernels_ok", "kernel_dtype",
            "check_kind", "KINDS"]

@@ -245,7 +245,8 @@ def decoder_self_mask(key_is_token: torch.Tensor | None, T: int, past: int, devi
         return padding_mask(key_is_token) & causal_mask(T, past + T, device), False
     if past and T > 1:
         return causal_mask(T, past + T, device), False
-    return None, past == 0 and T > 1
+    causal = T > 1 and past == 0
+    return None, True if causal else False  # a plain bool also where torch.compile traces sizes as symbols
 
 
 class EncoderDecoder(TransformerBase):
