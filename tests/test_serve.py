@@ -554,3 +554,21 @@ def test_engine_failures_in_a_packed_step_fail_the_batch_and_the_engine_goes_on(
     for r in (running, late):
         assert r.events[-1][0] == "done"
         assert lm.tokenizer.decode([t for kind, t in r.events if kind == "token"]) == want
+
+
+def test_compile_keeps_a_quantised_model_eager_in_the_server(models, monkeypatch):
+    """`serve --compile` with `--quantize`: the compiled quantised step would autotune again at every new
+    batch shape and answer differently per batch size, so the engine keeps the eager step (and
+    compiles the others)."""
+    import copy
+
+    from attnlab.quant import quantize_model
+    from attnlab.serve import engine
+    calls = []
+    monkeypatch.setattr(engine, "compiled_step", lambda net, fn: calls.append(net) or (lambda *a, **k: fn(*a, **k)))
+    lm = models["lm"]
+    assert engine.Engine(lm, compile=True).decode is not lm.module and calls == [lm.module]
+    q = copy.copy(lm)
+    q.module = quantize_model(copy.deepcopy(lm.module), "int8")
+    eng = engine.Engine(q, compile=True)
+    assert eng.decode is eng.net and calls == [lm.module]

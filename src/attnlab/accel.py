@@ -362,13 +362,13 @@ def compiled_step(model: torch.nn.Module, fn):
     if entry is None or entry[0] != _model_state(model):
         if entry is not None:
             torch._dynamo.reset()  # dynamo's cache would otherwise keep serving the old constants
-        if quantised:
-            quant.prepare_for_compile(model, p0.dtype)
+        kernels = quantised and quant.prepare_for_compile(model, p0.dtype)
         compiled = torch.compile(fn, dynamic=True, options={"guard_filter_fn": _frozen_tensor_guards_only})
-        # what inductor is told, best first: a quantised model's GEMM templates may not build (e.g. an
-        # AVX-512 kernel where PyTorch is capped at AVX2), then the aten kernels in a fused graph, then eager
+        # what inductor is told, best first: its GEMM templates for the quantised kernels may not build
+        # (e.g. an AVX-512 kernel where PyTorch is capped at AVX2), then the aten kernels in a fused
+        # graph, then eager
         tries = [{"freezing": True}]
-        if quantised:
+        if kernels:
             tries.insert(0, {"freezing": True, "max_autotune": True, "autotune_num_choices_displayed": 0})
 
         def step(*args, **kwargs):

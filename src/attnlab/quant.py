@@ -382,11 +382,11 @@ def quantize_model(model: nn.Module, kind: str = "int8", group_size: int = 32, h
 
 def prepare_for_compile(model: nn.Module, dtype: torch.dtype) -> bool:
     """Ready every quantised layer of ``model`` to be traced by ``torch.compile`` with ``dtype``
-    activations (see the module docstring); whether there were any."""
+    activations (see the module docstring); whether any of them will trace a kernel."""
     layers = [m for m in model.modules() if isinstance(m, _QuantLinear)]
     for layer in layers:
         layer.prepare_for_compile(dtype)
-    return bool(layers)
+    return any(layer.compile_dtype is not None for layer in layers)
 
 
 def quantized_kind(model: nn.Module) -> str | None:

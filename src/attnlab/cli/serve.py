@@ -28,7 +28,7 @@ def arguments(p) -> None:
                         "decoding of small batches on CPU")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decoding step of language models and translators (dynamic shapes; "
-                        "kept eager where that is faster, e.g. fp32 on CPU)")
+                        "kept eager where that is faster, e.g. fp32 on CPU, and for --quantize models)")
     add_device(p)
 
 

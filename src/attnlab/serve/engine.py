@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -48,8 +49,24 @@ from typing import Any, Callable
 import torch
 
 from ..accel import compiled_step
+from ..quant import quantized_kind
 from ..generate.processors import LogitsProcessor, top_k_top_p
 from ..generate.search import BeamSearch, GenerationConfig
+
+
+def _served_step(net, fn, compile: bool):
+    """The engine's decoding step: ``fn``, or its ``accel.compiled_step`` with ``compile`` (dynamic
+    shapes; eager where that is faster or impossible). Quantised models stay eager here: their compiled
+    step autotunes inductor's GEMMs at every new batch shape (minutes of stalled requests when the
+    batch first grows) and its results depend on the batch size, so a request would no longer get the
+    answer it gets alone. ``generate(..., compile=True)`` is where they compile."""
+    if compile and quantized_kind(net) is not None:
+        log.info("serve --compile: %s is quantised, its decoding step stays eager", type(net).__name__)
+        return fn
+    return compiled_step(net, fn) if compile else fn
+
+
+log = logging.getLogger("attnlab")
 
 
 class QueueFull(Exception):
@@ -276,9 +293,8 @@ class Engine(_EngineLoop):
     def __init__(self, model, max_batch: int = 16, max_queue: int = 256, on_step=None, on_first_token=None,
                  compile: bool = False):
         super().__init__(model, max_batch, max_queue)
-        # the one-token step may be compiled (``accel.compiled_step``: dynamic shapes; eager where that is
-        # faster or impossible); the prefill stays eager
-        self.decode = compiled_step(self.net, self.net) if compile else self.net
+        # the one-token step may be compiled (``_served_step``); the prefill stays eager
+        self.decode = _served_step(self.net, self.net, compile)
         self.eos_id = self.net.config.eos_id
         self.pad_id = self.net.config.pad_id
         self.on_step = on_step                 # callback(batch_size) after every decode step
@@ -517,7 +533,7 @@ class TranslationEngine(_EngineLoop):
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 256, on_step=None, compile: bool = False):
         super().__init__(model, max_batch, max_queue)
-        self.decode = compiled_step(self.net, self.net.decode) if compile else self.net.decode
+        self.decode = _served_step(self.net, self.net.decode, compile)
         cfg = self.net.config
         self.eos_id, self.pad_id, self.bos_id = cfg.eos_id, cfg.pad_id, cfg.bos_id
         self.on_step = on_step
