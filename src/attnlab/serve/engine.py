@@ -49,24 +49,24 @@ from typing import Any, Callable
 import torch
 
 from ..accel import compiled_step
-from ..quant import quantized_kind
 from ..generate.processors import LogitsProcessor, top_k_top_p
 from ..generate.search import BeamSearch, GenerationConfig
+from ..quant import quantized_kind
+
+log = logging.getLogger("attnlab")
 
 
 def _served_step(net, fn, compile: bool):
     """The engine's decoding step: ``fn``, or its ``accel.compiled_step`` with ``compile`` (dynamic
-    shapes; eager where that is faster or impossible). Quantised models stay eager here: their compiled
-    step autotunes inductor's GEMMs at every new batch shape (minutes of stalled requests when the
-    batch first grows) and its results depend on the batch size, so a request would no longer get the
-    answer it gets alone. ``generate(..., compile=True)`` is where they compile."""
+    shapes; eager where that is faster or impossible). Quantised models stay eager here: tried with
+    SmolLM2 int8 (2026-12-01), six concurrent requests waited ~8 minutes while the step was compiled
+    and autotuned again for the new batch shapes and masks, and one of the six greedy answers differed
+    from its answer alone (inductor's GEMMs round differently per batch size). ``generate(...,
+    compile=True)`` is where they compile."""
     if compile and quantized_kind(net) is not None:
         log.info("serve --compile: %s is quantised, its decoding step stays eager", type(net).__name__)
         return fn
     return compiled_step(net, fn) if compile else fn
-
-
-log = logging.getLogger("attnlab")
 
 
 class QueueFull(Exception):
