@@ -450,7 +450,7 @@ def test_quant_quality_benchmark_runs_quick(lm_dir, tmp_path):
 # -- the compiled decoding step ----------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not accel.can_compile("cpu"), reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.skipif(not accel.can_compile("cpu"), reason="no torch.compile here (no C++ compiler, or ATTNLAB_COMPILE=0)")
 @pytest.mark.parametrize("kind,kernels", [("int4", True), ("int8", False)])
 def test_compiled_quantised_step_matches_the_eager_step(monkeypatch, kind, kernels):
     """`generate(..., compile=True)` of a quantised fp32 model (not skipped like plain fp32): the kernel's
@@ -480,7 +480,7 @@ def test_compiled_quantised_step_matches_the_eager_step(monkeypatch, kind, kerne
             tok = a.argmax(-1, keepdim=True)
 
 
-@pytest.mark.skipif(not accel.can_compile("cpu"), reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.skipif(not accel.can_compile("cpu"), reason="no torch.compile here (no C++ compiler, or ATTNLAB_COMPILE=0)")
 def test_compiled_step_is_made_again_when_the_weights_change(monkeypatch):
     """Dynamo's guards on the model's modules are skipped (they cost ~10% of a quantised step), so a
     compiled step must not outlive the weights it froze: asked again after an in-place change, or after
