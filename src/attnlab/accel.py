@@ -383,7 +383,7 @@ def compiled_step(model: torch.nn.Module, fn):
                     log.debug("compiled decode step failed to build with %s (%s)", tries.pop(0),
                               str(e).strip().splitlines()[:3])
             return fn(*args, **kwargs)
-        entry = (_model_state(model), step)
+        entry = (_model_state(model), step)  # taken again: prepare_for_compile added buffers
         _COMPILED[model] = entry
     return entry[1]
 

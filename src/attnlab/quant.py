@@ -157,12 +157,10 @@ class _QuantLinear(nn.Module):
         """Before ``torch.compile`` traces this layer with ``dtype`` activations: register the kernel's
         tensors as (non-persistent) buffers — traced code cannot use the data-pointer cache — or, where
         no kernel may run, let the eager path be traced."""
-        kdtype = kernel_dtype(dtype)
-        ok = (self.kernel_shape_ok and self._portable()[0].device.type == "cpu"
-              and dtype in (torch.float32, torch.bfloat16, torch.float16) and quant_kernels_ok(self.kind, kdtype))
-        self.compile_dtype = kdtype if ok else None
-        if ok:
-            for name, t in self._kernel_tensors(kdtype).items():
+        on_cpu = self.kernel_shape_ok and self._portable()[0].device.type == "cpu"
+        self.compile_dtype = self._kernel_dtype_for(dtype) if on_cpu else None
+        if self.compile_dtype is not None:
+            for name, t in self._kernel_tensors(self.compile_dtype).items():
                 self.register_buffer(name, t, persistent=False)
 
     def _portable(self) -> list[torch.Tensor]:
@@ -187,11 +185,20 @@ class _QuantLinear(nn.Module):
             return None
         if x.numel() // x.shape[-1] > KERNEL_MAX_ROWS[self.kind] or (torch.is_grad_enabled() and x.requires_grad):
             return None
-        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        return self._kernel_dtype_for(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype)
+
+    def _kernel_dtype_for(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The kernel's activation dtype for ``dtype`` activations, or None where it may not run."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return None
         dtype = kernel_dtype(dtype)
         return dtype if quant_kernels_ok(self.kind, dtype) else None
+
+    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel as torch.compile traces it: on the buffers ``prepare_for_compile`` registered."""
+        x2 = x.reshape(-1, self.in_features).to(self.compile_dtype)  # (M, K)
+        out = self._product(x2, self.kernel_weight, self.kernel_scales)  # (M, N)
+        return self._add_bias(out.reshape(*x.shape[:-1], self.out_features).to(x.dtype))
 
     def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.bias is None else out + self.bias.to(out.dtype)
@@ -248,19 +255,21 @@ class Int8Linear(_QuantLinear):
             x2 = x2.clone(memory_format=torch.contiguous_format)  # new storage: dense, 64-byte aligned
         scales = self.scales if self.scales.dtype == x.dtype else self._cached(("scales", x.dtype),
                                                                                 lambda: self.scales.to(x.dtype))
-        w = self.weight_int8  # (N, K); its rows are read with aligned loads too (e.g. not from an mmap)
-        if w.data_ptr() % 32 or not w.is_contiguous():
-            w = self._cached("aligned", lambda: self.weight_int8.clone(memory_format=torch.contiguous_format))
-        out = torch.ops.aten._weight_int8pack_mm(x2, w, scales)  # (M, N)
+        out = self._product(x2, self._aligned_weight(), scales)  # (M, N)
         return self._add_bias(out.reshape(*x.shape[:-1], self.out_features))
 
-    def _kernel_tensors(self, dtype):
-        return {"kernel_weight": self.weight_int8.contiguous(), "kernel_scales": self.scales.to(dtype)}
+    def _aligned_weight(self) -> torch.Tensor:
+        """weight_int8 (N, K), whose rows the kernel reads with aligned loads too (e.g. not from an mmap)."""
+        w = self.weight_int8
+        if w.data_ptr() % 32 or not w.is_contiguous():
+            w = self._cached("aligned", lambda: self.weight_int8.clone(memory_format=torch.contiguous_format))
+        return w
 
-    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(self.compile_dtype)  # (M, K)
-        out = torch.ops.aten._weight_int8pack_mm(x2, self.kernel_weight, self.kernel_scales)  # (M, N)
-        return self._add_bias(out.reshape(*x.shape[:-1], self.out_features).to(x.dtype))
+    def _kernel_tensors(self, dtype):
+        return {"kernel_weight": self._aligned_weight(), "kernel_scales": self.scales.to(dtype)}
+
+    def _product(self, x2, weight, scales):
+        return torch.ops.aten._weight_int8pack_mm(x2, weight, scales)
 
 
 class Int4Linear(_QuantLinear):
@@ -334,7 +343,7 @@ class Int4Linear(_QuantLinear):
         sz = self.scales_and_zeros
         if sz.dtype != x.dtype:
             sz = self._cached(("sz", x.dtype), lambda: self.scales_and_zeros.to(x.dtype))
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, sz)  # (M, N)
+        out = self._product(x2, packed, sz)  # (M, N)
         return self._add_bias(out.reshape(*x.shape[:-1], self.out_features))
 
     def _packed(self) -> torch.Tensor:
@@ -345,11 +354,8 @@ class Int4Linear(_QuantLinear):
     def _kernel_tensors(self, dtype):
         return {"kernel_weight": self._packed(), "kernel_scales": self.scales_and_zeros.to(dtype)}
 
-    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(self.compile_dtype)  # (M, K)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.kernel_weight, self.group_size,
-                                                          self.kernel_scales)  # (M, N)
-        return self._add_bias(out.reshape(*x.shape[:-1], self.out_features).to(x.dtype))
+    def _product(self, x2, weight, scales_and_zeros):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, self.group_size, scales_and_zeros)
 
 
 # -- the model ------------------------------------------------------------------------------------------------
