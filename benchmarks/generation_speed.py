@@ -5,7 +5,11 @@ transformers and copied into attnlab with from_hf, so both decode the *same* mod
 length 20; exactly 24 new tokens (min = max = 24); greedy and beam 4; sentences/s, best of N runs
 (the two sides take turns, so a change in the machine's load does not bias the ratio).
 
-    python benchmarks/generation_speed.py [--repeats 3] [--threads 2] [--as-avx2]
+    python benchmarks/generation_speed.py [--repeats 3] [--threads 2] [--compile] [--as-avx2]
+
+--compile adds attnlab's compiled decoding step (``GenerationConfig(compile=True)``: inductor, frozen
+weights, oneDNN's packed products kept; ``accel.compiled_step``) as a third side in the same turns; the
+compilation itself is the warm-up, reported as ``compile_s``.
 
 --as-avx2 caps PyTorch, oneDNN and MKL at AVX2 (``accel.AVX2_ENVIRONMENT``; no native bf16, so the
 bf16 rows are left out): the stand-in for an AVX2-only CPU.
@@ -52,6 +56,7 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--src-len", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--compile", action="store_true", help="also time attnlab's compiled decoding step")
     ap.add_argument("--as-avx2", action="store_true", help="cap PyTorch, oneDNN and MKL at AVX2 (and no native bf16)")
     args = ap.parse_args()
     from attnlab import accel
@@ -85,15 +90,25 @@ def main():
                 return hf.generate(input_ids=src, attention_mask=mask, num_beams=beams, do_sample=False,
                                    min_new_tokens=n, max_new_tokens=n, use_cache=True, early_stopping=True)
 
-            def run_ours():
+            def run_ours(compile=False):
                 return generate(ours, src, mask.bool(), GenerationConfig(num_beams=beams, min_new_tokens=n,
-                                                                          max_new_tokens=n))
+                                                                          max_new_tokens=n, compile=compile))
             out_hf, out_ours = run_hf(), run_ours()
             same = [list(r[1:]) for r in out_hf.tolist()] == [s for s in out_ours.sequences]
-            t_hf, t_ours = best_times([run_hf, run_ours], args.repeats)
+            sides = [run_hf, run_ours]
+            if args.compile:
+                t0 = time.perf_counter()
+                out_compiled = run_ours(True)  # the first call compiles
+                compile_s = time.perf_counter() - t0
+                sides.append(lambda: run_ours(True))
+            t_hf, t_ours, *t_compiled = best_times(sides, args.repeats)
         name = ("greedy" if beams == 1 else f"beam{beams}") + ("_bf16" if dtype == torch.bfloat16 else "_fp32")
         results[name] = {"hf_sent_per_s": round(args.batch / t_hf, 1), "attnlab_sent_per_s": round(args.batch / t_ours, 1),
                          "speedup": round(t_hf / t_ours, 2), "identical_outputs": same}
+        if args.compile:
+            results[name].update({"compiled_sent_per_s": round(args.batch / t_compiled[0], 1),
+                                  "compiled_speedup": round(t_hf / t_compiled[0], 2), "compile_s": round(compile_s, 1),
+                                  "compiled_identical_to_eager": out_compiled.sequences == out_ours.sequences})
         print(name, json.dumps(results[name]), flush=True)
     print(json.dumps(results))
 

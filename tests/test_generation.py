@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from attnlab import TransformerConfig, build_model
+from attnlab import TransformerConfig, accel, build_model
 from attnlab.generate import GenerationConfig, generate
 from attnlab.generate.search import beam_search, length_penalty
 
@@ -205,13 +205,10 @@ def test_length_penalty_is_gnmt():
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_decode_step_matches_eager_in_bf16():
-    """The compiled step (inductor, frozen weights) gives the eager step's logits; the fp32 CPU
-    case keeps the (faster) eager step."""
+    """The compiled step (inductor, frozen weights) gives the eager step's logits in bf16."""
     from attnlab.generate.search import DecoderOnlyStepper
     torch.manual_seed(0)
     model = model_for("decoder-only", "rope", n_kv_heads=2).eval()
-    with pytest.warns(UserWarning, match="compile skipped"):
-        assert DecoderOnlyStepper(model, torch.ones(1, 3, dtype=torch.long), None, compile=True).decode is model
     model = model.to(torch.bfloat16)
     prompt = torch.randint(4, model.config.vocab_size, (2, 5))
     with torch.inference_mode():
@@ -224,3 +221,43 @@ def test_compiled_decode_step_matches_eager_in_bf16():
             tok = a.argmax(-1, keepdim=True)
     out = generate(model, prompt, max_new_tokens=6, min_new_tokens=6, compile=True)
     assert [len(s) for s in out.sequences] == [6, 6]
+
+
+@pytest.mark.skipif(not accel.can_compile("cpu"), reason="no torch.compile here (no C++ compiler, or ATTNLAB_COMPILE=0)")
+def test_compiled_fp32_step_streams_one_row_and_packs_many(monkeypatch):
+    """fp32 on CPU compiles too: a step of one row multiplies as a streamed reduction
+    (``accel.streamed_matvec``), a step of more rows calls oneDNN's kernel on the packs that
+    ``PackedLinear.prepare_for_compile`` registered; both give the eager step's logits to float
+    rounding. The packs are caches: not in the state dict, dropped by ``.to()``, never seen by a
+    compile of the model outside the decoding step (a training step must not multiply by a frozen
+    copy of weights it updates)."""
+    from attnlab.generate.search import DecoderOnlyStepper
+    traced_rows = []
+    real = accel.streamed_matvec
+    monkeypatch.setattr(accel, "streamed_matvec", lambda x, w, b=None: traced_rows.append(x.numel() // x.shape[-1]) or real(x, w, b))
+    model = model_for("decoder-only", "rope", n_kv_heads=2, n_decoder_layers=1)
+    keys = set(model.state_dict())
+    for rows in (1, 3):
+        traced_rows.clear()
+        prompt = torch.randint(4, 50, (rows, 5))
+        with torch.inference_mode():
+            eager = DecoderOnlyStepper(model, prompt, None, capacity=16)
+            compiled = DecoderOnlyStepper(model, prompt, None, capacity=16, compile=True)
+            assert compiled.decode is not model
+            tok = None
+            for _ in range(3):
+                a, b = eager.step(tok), compiled.step(tok)
+                torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+                tok = a.argmax(-1, keepdim=True)
+        assert bool(traced_rows) == (rows <= accel.STREAMED_MAX_ROWS), (rows, traced_rows)
+    packs = [m for m in model.modules() if isinstance(m, accel.PackedLinear) and "packed_weight" in m._buffers]
+    assert packs or not accel.packed_linear_ok(torch.float32)
+    assert set(model.state_dict()) == keys
+    # a compile of the same model for training: gradients of its own weights, not of the frozen packs
+    model.train()
+    x = torch.randint(4, 50, (2, 6))
+    want = torch.autograd.grad(model(x).square().mean(), model.decoder.layers[0].feed_forward.w_in.weight)[0]
+    got = torch.autograd.grad(torch.compile(model)(x).square().mean(), model.decoder.layers[0].feed_forward.w_in.weight)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    model.to(torch.float64)  # the opaque packs cannot be cast: they are dropped
+    assert not any("packed_weight" in m._buffers for m in model.modules())

@@ -572,3 +572,63 @@ def test_compile_keeps_a_quantised_model_eager_in_the_server(models, monkeypatch
     q.module = quantize_model(copy.deepcopy(lm.module), "int8")
     eng = engine.Engine(q, compile=True)
     assert eng.decode is eng.net and calls == [lm.module]
+
+
+@pytest.mark.skipif(not __import__("attnlab.accel", fromlist=["can_compile"]).can_compile("cpu"),
+                    reason="no torch.compile here (no C++ compiler, or ATTNLAB_COMPILE=0)")
+def test_compiled_engine_warms_up_then_serves_without_compiling(models):
+    """`serve --compile`: the decoding step is compiled at start-up (``Engine.warm_up``: one graph per
+    kind of batch), so that later traffic — one row, several rows with and without left padding,
+    a newcomer packed into a running batch — compiles nothing more while rows wait; the warm-up
+    leaves no trace (no rows, no kept prefix, counters at 0), and the answers equal those served
+    alone."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from attnlab.serve.engine import Engine, Request
+    lm = copy.copy(models["llama"])
+    lm.module = copy.deepcopy(lm.module)  # its own compiled step and packs
+    eng = Engine(lm, max_batch=8, compile=True)
+    assert eng.decode is not eng.net
+    assert eng.warm_up() > 0
+    assert not eng._rows and eng._prefix_tokens is None and eng.steps == eng.packed_prefills == 0
+    graphs = counters["stats"]["unique_graphs"]
+
+    def request(prompt, n):
+        r = Request(prompt=lm.prompt_ids(prompt), max_new_tokens=n)
+        r.events = []
+        r._emit = r.events.append
+        return r
+
+    waves = [[("the", 5)], [("quick brown fox", 6), ("a", 4)], [("lazy dog", 5), ("0123 fox", 5), ("zz", 7)]]
+    done = []
+    with torch.inference_mode():
+        for wave in waves:
+            reqs = [request(p, n) for p, n in wave]
+            eng._admit_all(reqs)
+            done += [(r, p, n) for r, (p, n) in zip(reqs, wave)]
+            eng._step()
+            eng._drop_finished()
+            late = request("THE END", 4)  # joins the running batch
+            eng._admit_all([late])
+            done.append((late, "THE END", 4))
+            while eng._rows:
+                eng._step()
+                eng._drop_finished()
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
+    for r, p, n in done:
+        assert r.events[-1][0] == "done"
+        assert lm.tokenizer.decode([t for kind, t in r.events if kind == "token"]) == alone(lm, p, n), (p, n)
+
+
+def test_the_server_warms_a_compiled_engine_up_before_listing_its_model(models, monkeypatch):
+    from attnlab.serve import engine
+    from attnlab.serve.app import Server
+    warmed = []
+    monkeypatch.setattr(engine.Engine, "warm_up", lambda self: warmed.append(self.model.name) or 0)
+    monkeypatch.setattr(engine, "compiled_step", lambda net, fn: (lambda *a, **k: fn(*a, **k)))
+    Server({"lm": models["lm"]}, 4, 4)
+    assert warmed == []
+    server = Server({"lm": models["lm"], "mt": models["mt"]}, 4, 4, compile=True)
+    assert warmed == ["lm"] and set(server.models) == {"lm", "mt"}

@@ -32,7 +32,7 @@ import platform
 import shutil
 import subprocess
 import sys
-import warnings
+import tempfile
 import weakref
 from functools import lru_cache
 
@@ -107,7 +107,10 @@ def cpu_bf16_native() -> bool:
 
 
 AVX2_ENVIRONMENT = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-                    "ATTNLAB_NO_BF16": "1"}
+                    "ATTNLAB_NO_BF16": "1",
+                    # inductor's own cache, apart: seen here (PyTorch 2.13), a capped run that reused kernels
+                    # compiled uncapped on the same machine computed a wrong compiled step (fresh: right)
+                    "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_avx2_{os.getuid() if hasattr(os, 'getuid') else 0}")}
 
 
 def restart_capped_at_avx2() -> None:
@@ -257,6 +260,14 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if (_IN_COMPILED_STEP and torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == w.dtype
+                and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")):
+            # traced by compiled_step (only there: another compile of this model, a training step, must
+            # not see a frozen copy of weights it updates)
+            if x.numel() <= STREAMED_MAX_ROWS * x.shape[-1]:
+                return streamed_matvec(x, w, self.bias)
+            if self._buffers.get("packed_weight") is not None:  # a frozen constant, oneDNN's kernel
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         if (PACKED and x.device.type == "cpu" and x.dtype == w.dtype and x.dim() >= 2 and x.numel()
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
                 and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
@@ -274,7 +285,43 @@ class PackedLinear(nn.Linear):
                                                       "none", [], "")
         return F.linear(x, w, self.bias)
 
+    def prepare_for_compile(self) -> bool:
+        """Before ``torch.compile`` traces this layer (``compiled_step``): register its pack as a
+        non-persistent buffer, so that with frozen weights inductor keeps oneDNN's packed kernel (its own
+        fp32 choice for a frozen linear is MKL's, slower for few rows) and fuses the small ops around
+        it. Only fp32 on CPU (bf16 weights inductor packs for oneDNN itself). Whether it did."""
+        w = self.weight
+        if not (w.device.type == "cpu" and w.dtype == torch.float32 and packed_linear_ok(w.dtype)):
+            return False
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_ROWS_HINT),
+                             persistent=False)
+        return True
 
+    def _apply(self, fn, recurse=True):
+        # the pack is an opaque oneDNN tensor that cannot be moved or cast: a cache, dropped (and made
+        # again by the next compiled_step, whose key the new weights change)
+        self._buffers.pop("packed_weight", None)
+        return super()._apply(fn, recurse)
+
+
+_IN_COMPILED_STEP = False  # True while compiled_step's step runs (dynamo guards on it)
+STREAMED_MAX_ROWS = 1  # compiled steps of this many rows multiply as a streamed reduction (one more graph each)
+
+
+def streamed_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` written as a product and a sum over the input features, for
+    ``torch.compile`` to turn into one loop over the weight's rows.
+
+    Why: decoding one sequence multiplies every weight matrix by a single row, so a step is the time
+    it takes to read the weights once: memory-bound. GEMM kernels (MKL's, oneDNN's) are built for
+    re-using a weight block across many rows and stream a matrix-vector product at ~11–22 GB/s on
+    the reference CPU; inductor's code for this reduction reads each weight row once, vectorised
+    along the row, the rows split over the threads, at close to the memory's read bandwidth (SmolLM2
+    fp32, batch 1, compiled: 66 vs 26 tok/s with oneDNN's packed kernel in the same graph,
+    docs/results.md). Accumulates in fp32 (inductor upcasts bf16 reductions). For a handful of rows
+    the weights are read once per row, so past :data:`STREAMED_MAX_ROWS` the GEMM wins."""
+    out = (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, K) * (N, K) → (..., N)
+    return out if bias is None else out + bias
 PACKED = True  # programmatic switch; ATTNLAB_PACKED_LINEAR=0 in the environment is checked per dtype
 _PACK_ROWS_HINT = 64  # a pack for 64 rows serves 1…256-row inputs well; a pack for 1 row does not
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → (source, key, packed)
@@ -333,10 +380,12 @@ def compiled_step(model: torch.nn.Module, fn):
     constants and pre-packs them. Shapes are dynamic (the KV cache grows, finished rows leave the
     batch), so one compilation serves a whole generation and later ones. Compiling costs about a
     minute for a 30-layer model on 2 CPU cores: worth it for long or repeated generation. On CPU in
-    fp32 inductor's frozen linears are MKL's, slower for one row than the eager oneDNN-packed ones
-    (``accel.PackedLinear``), so there the eager step is kept (measured: docs/results.md) — unless
-    the model is quantised (``attnlab.quant``): its int8/int4 products are traced as constants and,
-    with ``max_autotune``, inductor may generate its own GEMM for them (see ``quant``'s docstring).
+    fp32 inductor's own frozen linears would be MKL's, slower for one row than oneDNN's packed ones,
+    so every ``PackedLinear`` first registers its oneDNN pack as a constant
+    (:meth:`PackedLinear.prepare_for_compile`) and the traced step calls oneDNN's kernel on it: the
+    small ops are fused, the products stay the eager step's. A quantised model (``attnlab.quant``)
+    has its int8/int4 products traced as constants and, with ``max_autotune``, inductor may generate
+    its own GEMM for them (see ``quant``'s docstring).
     Where ``accel.can_compile`` says no (no C++ compiler, no triton) or the build fails, the eager
     step runs, with the same results.
 
@@ -350,12 +399,6 @@ def compiled_step(model: torch.nn.Module, fn):
     from . import quant
     p0 = next(model.parameters())
     quantised = quant.quantized_kind(model) is not None
-    if p0.device.type == "cpu" and p0.dtype == torch.float32 and not quantised:
-        if not getattr(compiled_step, "warned", False):
-            compiled_step.warned = True
-            warnings.warn("compile skipped: on CPU in fp32 attnlab's eager pre-packed linears decode faster "
-                          "than the compiled step (use bf16 or --quantize to benefit from compile)")
-        return fn
     if not can_compile(p0.device):  # no C++ compiler (CPU) or no triton (CUDA): eager, same results
         return fn
     entry = _COMPILED.get(model)
@@ -363,6 +406,11 @@ def compiled_step(model: torch.nn.Module, fn):
         if entry is not None:
             torch._dynamo.reset()  # dynamo's cache would otherwise keep serving the old constants
         kernels = quantised and quant.prepare_for_compile(model, p0.dtype)
+        accelerate_for_inference(model)
+        packs = [m.prepare_for_compile() for m in model.modules() if isinstance(m, PackedLinear)]
+        if p0.device.type == "cpu" and p0.dtype == torch.float32 and not any(packs) and not quantised:
+            _once("compile-fp32-mkl", "compiled fp32 step without oneDNN packs (none here): inductor's frozen "
+                  "linears are MKL's, which may decode slower than eager")
         compiled = torch.compile(fn, dynamic=True, options={"guard_filter_fn": _frozen_tensor_guards_only})
         # what inductor is told, best first: its GEMM templates for the quantised kernels may not build
         # (e.g. an AVX-512 kernel where PyTorch is capped at AVX2), then the aten kernels in a fused
@@ -373,15 +421,19 @@ def compiled_step(model: torch.nn.Module, fn):
 
         def step(*args, **kwargs):
             import torch._inductor.config as inductor_config
+            global _IN_COMPILED_STEP
             while tries:
                 try:
                     with inductor_config.patch(tries[0]):  # read when (re)compiling, i.e. inside the call
+                        _IN_COMPILED_STEP = True
                         return compiled(*args, **kwargs)
                 except Exception as e:  # a compiler that is present but cannot build this
                     if not _is_compile_failure(e):
                         raise
                     log.debug("compiled decode step failed to build with %s (%s)", tries.pop(0),
                               str(e).strip().splitlines()[:3])
+                finally:
+                    _IN_COMPILED_STEP = False
             return fn(*args, **kwargs)
         entry = (_model_state(model), step)  # taken again: prepare_for_compile added buffers
         _COMPILED[model] = entry
@@ -400,7 +452,8 @@ def _frozen_tensor_guards_only(entries) -> list[bool]:
 def _model_state(model: torch.nn.Module) -> tuple:
     """What a compiled step of ``model`` depends on beyond its inputs (see ``compiled_step``)."""
     tensors = tuple((t.data_ptr(), -1 if t.is_inference() else t._version, t.dtype)  # inference tensors: no version
-                    for t in (*model.parameters(), *model.buffers()))
+                    for t in (*model.parameters(), *model.buffers())
+                    if t.layout == torch.strided)  # oneDNN packs (opaque) derive from the weights
     flags = tuple((m.training, getattr(m, "record_weights", False)) for m in model.modules())
     return tensors, flags
 

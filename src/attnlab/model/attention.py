@@ -175,17 +175,19 @@ class KVCache:
         # contiguous once (the projection's permute is not), or every decoding step's bmm copies it
         self.k, self.v, self.length = k.contiguous(), v.contiguous(), k.shape[2]
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (beam search reordering, finished rows dropped). Only the
-        filled part of the buffer is copied."""
+    def reorder(self, index: torch.Tensor, start: int = 0) -> None:
+        """Keep batch rows ``index`` (beam search reordering, finished rows dropped) and positions
+        ``start:`` (a serving batch cuts columns that have become padding in every row). Only the
+        filled part of the buffer is copied, into a new contiguous buffer: a compiled decoding step
+        sees one stride pattern, not a view's (which would make it compile again)."""
         if self.k is None:
             return
         n = self.length
-        new_k = self.k.new_empty(index.numel(), *self.k.shape[1:])
-        new_v = self.v.new_empty(index.numel(), *self.v.shape[1:])
-        new_k[:, :, :n].copy_(self.k[:, :, :n].index_select(0, index))
-        new_v[:, :, :n].copy_(self.v[:, :, :n].index_select(0, index))
-        self.k, self.v = new_k, new_v
+        new_k = self.k.new_empty(index.numel(), self.k.shape[1], self.k.shape[2] - start, self.k.shape[3])
+        new_v = self.v.new_empty(index.numel(), self.v.shape[1], self.v.shape[2] - start, self.v.shape[3])
+        new_k[:, :, :n - start].copy_(self.k[:, :, start:n].index_select(0, index))
+        new_v[:, :, :n - start].copy_(self.v[:, :, start:n].index_select(0, index))
+        self.k, self.v, self.length = new_k, new_v, n - start
 
 
 @dataclass

@@ -73,6 +73,10 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """positions: (T,) or (B, T) integer positions → (…, T, d_model)."""
+        if torch.compiler.is_compiling():
+            # a compiled decoding step: the sinusoids of its few positions, computed in the graph (the
+            # table's growth check reads a value back: a graph break at every step)
+            return sinusoidal_table(positions, self.d_model, self.layout)
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if needed > self.table.shape[0]:
             size = max(needed, 2 * self.table.shape[0])

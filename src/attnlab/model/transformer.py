@@ -108,11 +108,12 @@ class DecoderCache:
     def length(self) -> int:
         return self.layers[0][0].length
 
-    def reorder(self, index: torch.Tensor, cross: bool = False) -> None:
-        """Select batch rows. Beam search reorders within each source's beams, where the
-        cross-attention K/V are identical, so by default they are left untouched (no copy)."""
+    def reorder(self, index: torch.Tensor, cross: bool = False, start: int = 0) -> None:
+        """Select batch rows (and self-attention positions ``start:``). Beam search reorders within
+        each source's beams, where the cross-attention K/V are identical, so by default they are left
+        untouched (no copy)."""
         for self_cache, cross_cache in self.layers:
-            self_cache.reorder(index)
+            self_cache.reorder(index, start)
             if cross and cross_cache is not None:
                 cross_cache.reorder(index)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from .engine import Batch, BatchEngine, Engine, QueueFull, Request, TranslationEngine, TranslationJob
 from .text import TextTracker
 
+log = logging.getLogger("attnlab")
 MAX_BODY = 1 << 20  # bytes: a larger request body is refused with 413
 MAX_CHOICES = 64    # prompts × n of one request
 ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings",
@@ -177,6 +179,12 @@ class Server:
         if m.kind == "lm":
             engine = Engine(m, self.max_batch, self.max_queue, compile=self.compile,
                             on_first_token=self.metrics.ttft.labels(name).observe, **labels)
+            if self.compile:  # compiled before the model is listed (503 until then), not by the first requests
+                t0 = time.perf_counter()
+                steps = engine.warm_up()
+                if steps:
+                    log.info("serve --compile: %s's decoding step compiled (%d warm-up steps, %.0f s)", name, steps,
+                             time.perf_counter() - t0)
         elif m.kind == "translation":
             engine = TranslationEngine(m, self.max_batch, self.max_queue, compile=self.compile, **labels)
         else:

@@ -275,14 +275,13 @@ def _or_none(mask: torch.Tensor) -> torch.Tensor | None:
     return None if bool(mask.all()) else mask
 
 
-def _cut_left(cache, mask: torch.Tensor) -> torch.Tensor:
-    """Columns that are padding in every row (their requests left): cut them off the left."""
+def _keep_rows(cache, mask: torch.Tensor, index: torch.Tensor, cross: bool = False) -> torch.Tensor:
+    """Keep rows ``index`` of the batch cache and its key mask, and cut off the left the columns that
+    have become padding in every row (their requests left): one copy (``DecoderCache.reorder``)."""
+    mask = mask.index_select(0, index)
     first = int(mask.any(0).long().argmax())
-    if first:
-        for c, _ in cache.layers:
-            c.k, c.v, c.length = c.k[:, :, first:], c.v[:, :, first:], c.length - first
-        mask = mask[:, first:]
-    return mask
+    cache.reorder(index, cross=cross, start=first)
+    return mask[:, first:]
 
 
 class Engine(_EngineLoop):
@@ -310,6 +309,45 @@ class Engine(_EngineLoop):
 
     def _reset(self) -> None:
         self._rows, self._cache, self._mask, self._last = [], None, None, None
+
+    # the traffic of warm_up: waves of (prompt length, new tokens) that arrive together; the last
+    # wave gets a newcomer after its first step (a prefill packed into a running batch, a spliced cache)
+    WARM_UP_WAVES = (((20, 3),), ((20, 5), (24, 3)), ((20, 4), (20, 4)), ((20, 6), (22, 6), (26, 6)))
+
+    def warm_up(self) -> int:
+        """Compile the decoding step before the first request (``--compile``): a compilation takes about a
+        minute for SmolLM2 on 2 cores, and every row of a running batch would wait for each one. The
+        step needs one graph per kind of batch it meets — one row (``accel.STREAMED_MAX_ROWS``), several
+        rows, with and without a key mask (left padding) — so a few requests of made-up tokens go
+        through the engine's own admission and steps, here on the caller's thread, before the engine
+        thread starts; then everything they left behind is cleared. Returns the steps run (0: eager)."""
+        if self.decode is self.net or self._thread is not None:
+            return 0
+        vocab = self.net.config.vocab_size
+        ids = [t for t in range(min(vocab, 64)) if t not in (self.eos_id, self.pad_id)]
+        saved, steps = (self.eos_id, self.on_step, self.on_first_token), 0
+        # made-up prompts must not stop early (every wave runs all its steps), nor count in the metrics
+        self.eos_id = self.on_step = self.on_first_token = None
+        try:
+            with torch.inference_mode():
+                for w, wave in enumerate(self.WARM_UP_WAVES):
+                    reqs = [Request(prompt=[ids[(w + i) % len(ids)]] * n, max_new_tokens=m) for i, (n, m) in enumerate(wave)]
+                    self._admit_all(reqs)
+                    if w == len(self.WARM_UP_WAVES) - 1:
+                        self._step()
+                        steps += 1
+                        self._drop_finished()
+                        self._admit_all([Request(prompt=[ids[0]] * 21, max_new_tokens=3)])
+                    while self._rows:
+                        self._step()
+                        steps += 1
+                        self._drop_finished()
+        finally:
+            self.eos_id, self.on_step, self.on_first_token = saved
+            self._reset()
+            self._prefix_tokens, self._prefix_kv = None, []
+            self.steps = self.largest_prefill = self.prefix_hits = self.packed_prefills = 0
+        return steps
 
     def _pick(self, req: Request, logits: torch.Tensor) -> int:
         """The next token of one row from its (1, V) logits: what ``stream_tokens`` does for it alone."""
@@ -383,8 +421,7 @@ class Engine(_EngineLoop):
             return
         if len(going) < len(ok):
             index = torch.tensor(going, device=mask.device)
-            cache.reorder(index)
-            mask = _cut_left(cache, mask.index_select(0, index))
+            mask = _keep_rows(cache, mask, index)
         self._join([ok[i] for i in going], cache, mask, [tokens[i] for i in going])
 
     def _setup(self, req: Request) -> None:
@@ -512,8 +549,7 @@ class Engine(_EngineLoop):
             self._reset()
             return
         index = torch.tensor(keep, device=self._last.device)
-        self._cache.reorder(index)
-        self._mask = _cut_left(self._cache, self._mask.index_select(0, index))
+        self._mask = _keep_rows(self._cache, self._mask, index)
         self._last = self._last.index_select(0, index)
         self._rows = [self._rows[i] for i in keep]
 
@@ -609,14 +645,13 @@ class TranslationEngine(_EngineLoop):
             return
         index = torch.cat(index)
         if dropped or not torch.equal(index, torch.arange(R, device=index.device)):
-            self._cache.reorder(index, cross=dropped)  # beams move within their request: cross K/V stay
-            self._mask = self._mask.index_select(0, index)
+            # beams move within their request (cross K/V stay); a finished request's rows leave
+            self._mask = _keep_rows(self._cache, self._mask, index, cross=dropped)
             if dropped:
                 self._src_mask = self._src_mask.index_select(0, index)
         self._last = torch.cat(tokens)
         if dropped:
             self._rows = [j for j in self._rows if not j.cancelled]
-            self._mask = _cut_left(self._cache, self._mask)
 
     def _drop_finished(self) -> None:
         """Requests whose caller left before a step dropped them: drop them now."""
@@ -633,8 +668,7 @@ class TranslationEngine(_EngineLoop):
             self._reset()
             return
         index = torch.cat(index).to(self._last.device)
-        self._cache.reorder(index, cross=True)
-        self._mask = _cut_left(self._cache, self._mask.index_select(0, index))
+        self._mask = _keep_rows(self._cache, self._mask, index, cross=True)
         self._src_mask = self._src_mask.index_select(0, index)
         self._last = self._last.index_select(0, index)
         self._rows = keep
