@@ -22,6 +22,9 @@ every level's requests split over the rounds, the 1-client references in round 1
 
     python benchmarks/serve_load.py --threads 2 --servers attnlab,transformers --clients 1,16 --rounds 3
 
+attnlab with its decoding step compiled (``serve --compile``: compiled at start-up, counted in
+``ready_s``; batches no warm-up graph fits run eager): ``--attnlab-compile``.
+
 Both in bf16 (attnlab ``serve --bf16``, ``transformers serve --dtype bfloat16``; llama.cpp keeps Q4_1):
 ``--dtype bfloat16``.
 
@@ -170,8 +173,10 @@ def make_server(name: str, args, port: int) -> Server:
         spec = str(tiny_model_dir(args.workdir)) if args.smoke else str(smollm2_gguf())
         bf16 = args.dtype == "bfloat16"
         return Server(name, [py, "-m", "attnlab", "serve", "--model", f"smollm2={spec}", *common,
-                             "--max-batch", str(args.attnlab_max_batch), "--device", "cpu", *(["--bf16"] if bf16 else [])],
-                      "smollm2", thread_env(t), f"max_batch={args.attnlab_max_batch}, {'bf16' if bf16 else 'fp32'}")
+                             "--max-batch", str(args.attnlab_max_batch), "--device", "cpu", *(["--bf16"] if bf16 else []),
+                             *(["--compile"] if args.attnlab_compile else [])],
+                      "smollm2", thread_env(t), f"max_batch={args.attnlab_max_batch}, {'bf16' if bf16 else 'fp32'}"
+                      + (", --compile" if args.attnlab_compile else ""))
     if name == "transformers":
         if m := missing("transformers", "fastapi", "uvicorn", "gguf"):
             raise RuntimeError(f"{m} is not installed")
@@ -574,6 +579,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the weights' dtype in attnlab and transformers serve (llama.cpp keeps the GGUF's Q4_1); "
                          "bfloat16: attnlab serve --bf16, transformers serve --dtype bfloat16 (default float32)")
+    ap.add_argument("--attnlab-compile", action="store_true",
+                    help="attnlab serve --compile (the decoding step compiled at start-up, counted in ready_s)")
     ap.add_argument("--attnlab-max-batch", type=int, default=16, help="attnlab serve --max-batch (default 16)")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "attnlab_serve_load",
                     help="the transformers model folder (cached) and the servers' logs")

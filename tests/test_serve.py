@@ -617,6 +617,21 @@ def test_compiled_engine_warms_up_then_serves_without_compiling(models):
                 eng._step()
                 eng._drop_finished()
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
+    # a batch no warm-up graph fits (one row with left padding: the engine never makes it) runs eager
+    x = torch.tensor([lm.prompt_ids("a fox")])
+    mask = torch.ones(1, x.shape[1] + 2, dtype=torch.bool)
+    mask[0, :2] = False
+    x = torch.cat([x.new_zeros(1, 2), x], 1)
+    with torch.inference_mode():
+        caches = [lm.module.new_cache(16), lm.module.new_cache(16)]
+        for c in caches:
+            lm.module(x, mask, cache=c, last_only=True)
+        step_mask = torch.cat([mask, mask.new_ones(1, 1)], 1)
+        tok = torch.tensor([[5]])
+        got = eng.decode(tok, step_mask, cache=caches[0], last_only=True)
+        want = lm.module(tok, step_mask, cache=caches[1], last_only=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs
     for r, p, n in done:
         assert r.events[-1][0] == "done"
         assert lm.tokenizer.decode([t for kind, t in r.events if kind == "token"]) == alone(lm, p, n), (p, n)

@@ -313,13 +313,15 @@ def streamed_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     ``torch.compile`` to turn into one loop over the weight's rows.
 
     Why: decoding one sequence multiplies every weight matrix by a single row, so a step is the time
-    it takes to read the weights once: memory-bound. GEMM kernels (MKL's, oneDNN's) are built for
-    re-using a weight block across many rows and stream a matrix-vector product at ~11–22 GB/s on
-    the reference CPU; inductor's code for this reduction reads each weight row once, vectorised
-    along the row, the rows split over the threads, at close to the memory's read bandwidth (SmolLM2
-    fp32, batch 1, compiled: 66 vs 26 tok/s with oneDNN's packed kernel in the same graph,
-    docs/results.md). Accumulates in fp32 (inductor upcasts bf16 reductions). For a handful of rows
-    the weights are read once per row, so past :data:`STREAMED_MAX_ROWS` the GEMM wins."""
+    it takes to read the weights once: memory-bound. GEMM kernels (MKL's, oneDNN's) are built to
+    re-use a weight block across many rows; for one row they read SmolLM2's matrices at ~11–22 GB/s on
+    the reference CPU (ad-hoc measurement), where the memory gives ~31 GB/s to a plain sum. Inductor's
+    code for this reduction reads each weight row once, vectorised along the row, the rows split over
+    the threads: SmolLM2 fp32, batch 1, compiled, 54.0 tok/s against 25.8 eager and 16.4 for
+    transformers (``benchmarks/smollm2_speed.py --compile``, docs/results.md). Accumulates in fp32
+    (inductor upcasts bf16 reductions). With more rows the weights would be read once per row: two rows
+    still gain a little, four lose, and :data:`STREAMED_MAX_ROWS` is 1 so that a serving batch needs one
+    graph fewer."""
     out = (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, K) * (N, K) → (..., N)
     return out if bias is None else out + bias
 PACKED = True  # programmatic switch; ATTNLAB_PACKED_LINEAR=0 in the environment is checked per dtype
@@ -383,7 +385,9 @@ def compiled_step(model: torch.nn.Module, fn):
     fp32 inductor's own frozen linears would be MKL's, slower for one row than oneDNN's packed ones,
     so every ``PackedLinear`` first registers its oneDNN pack as a constant
     (:meth:`PackedLinear.prepare_for_compile`) and the traced step calls oneDNN's kernel on it: the
-    small ops are fused, the products stay the eager step's. A quantised model (``attnlab.quant``)
+    small ops are fused, the products stay the eager step's. A step of one row (batch-1 decoding)
+    multiplies by :func:`streamed_matvec` instead, which reads the weights near the memory's speed
+    (SmolLM2 fp32: ~2× the eager step). A quantised model (``attnlab.quant``)
     has its int8/int4 products traced as constants and, with ``max_autotune``, inductor may generate
     its own GEMM for them (see ``quant``'s docstring).
     Where ``accel.can_compile`` says no (no C++ compiler, no triton) or the build fails, the eager

@@ -58,7 +58,8 @@ log = logging.getLogger("attnlab")
 
 def _served_step(net, fn, compile: bool):
     """The engine's decoding step: ``fn``, or its ``accel.compiled_step`` with ``compile`` (dynamic
-    shapes; eager where that is faster or impossible). Quantised models stay eager here: tried with
+    shapes; eager where that is impossible). A language model's engine compiles it before serving
+    (``Engine.warm_up``) and never again after. Quantised models stay eager here: tried with
     SmolLM2 int8 (2026-12-01), six concurrent requests waited ~8 minutes while the step was compiled
     and autotuned again for the new batch shapes and masks, and one of the six greedy answers differed
     from its answer alone (inductor's GEMMs round differently per batch size). ``generate(...,
@@ -306,6 +307,7 @@ class Engine(_EngineLoop):
         self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.prefix_hits = 0                       # prompts whose first tokens came from it
         self.packed_prefills = 0                   # prefills that rode in a decoding step (forward_packed)
+        self._warmed = False                       # warm_up ran (then the step never compiles again)
 
     def _reset(self) -> None:
         self._rows, self._cache, self._mask, self._last = [], None, None, None
@@ -321,8 +323,9 @@ class Engine(_EngineLoop):
         rows, with and without a key mask (left padding) — so a few requests of made-up tokens go
         through the engine's own admission and steps, here on the caller's thread, before the engine
         thread starts; then everything they left behind is cleared. Returns the steps run (0: eager)."""
-        if self.decode is self.net or self._thread is not None:
+        if self.decode is self.net or self._thread is not None or self._warmed:
             return 0
+        self._warmed = True
         vocab = self.net.config.vocab_size
         ids = [t for t in range(min(vocab, 64)) if t not in (self.eos_id, self.pad_id)]
         saved, steps = (self.eos_id, self.on_step, self.on_first_token), 0
@@ -347,6 +350,15 @@ class Engine(_EngineLoop):
             self._reset()
             self._prefix_tokens, self._prefix_kv = None, []
             self.steps = self.largest_prefill = self.prefix_hits = self.packed_prefills = 0
+        # From now on a batch no graph fits runs eager instead of compiling (a minute during which
+        # every row would wait; seen once in serve_load's third round before this): same answers to
+        # float rounding, only that step is slower.
+        compiled = self.decode
+
+        def decode(*args, **kwargs):
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return compiled(*args, **kwargs)
+        self.decode = decode
         return steps
 
     def _pick(self, req: Request, logits: torch.Tensor) -> int:
