@@ -331,20 +331,21 @@ class Engine(_EngineLoop):
         saved, steps = (self.eos_id, self.on_step, self.on_first_token), 0
         # made-up prompts must not stop early (every wave runs all its steps), nor count in the metrics
         self.eos_id = self.on_step = self.on_first_token = None
+        def step():
+            nonlocal steps
+            self._step()
+            steps += 1
+            self._drop_finished()
         try:
             with torch.inference_mode():
                 for w, wave in enumerate(self.WARM_UP_WAVES):
-                    reqs = [Request(prompt=[ids[(w + i) % len(ids)]] * n, max_new_tokens=m) for i, (n, m) in enumerate(wave)]
-                    self._admit_all(reqs)
+                    self._admit_all([Request(prompt=[ids[(w + i) % len(ids)]] * n, max_new_tokens=m)
+                                     for i, (n, m) in enumerate(wave)])
                     if w == len(self.WARM_UP_WAVES) - 1:
-                        self._step()
-                        steps += 1
-                        self._drop_finished()
+                        step()
                         self._admit_all([Request(prompt=[ids[0]] * 21, max_new_tokens=3)])
                     while self._rows:
-                        self._step()
-                        steps += 1
-                        self._drop_finished()
+                        step()
         finally:
             self.eos_id, self.on_step, self.on_first_token = saved
             self._reset()
