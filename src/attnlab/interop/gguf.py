@@ -1,13 +1,24 @@
 """Read a llama.cpp GGUF file (Llama architecture) into an attnlab DecoderOnly model, with its
-tokenizer rebuilt from the file's metadata. Needs the ``gguf`` package (``attnlab[pretrained]``).
+tokenizer rebuilt from the file's metadata.
 
-Quantised tensors (Q4_1, Q8_0, …) are dequantised to fp32 (or the requested dtype) once, at load.
+The file is parsed here (``GGUFFile``: the header, the metadata and the tensor table with ``struct``,
+the tensor data as memory-mapped bytes), and the common storage types are dequantised here too (F32,
+F16, BF16, Q8_0, Q4_0, Q4_1: SmolLM2's file is Q4_1 + Q8_0 + F32). Why not ``gguf``'s own reader: it
+builds a numpy view per metadata item, ~5 s for SmolLM2's 49k-token vocabulary and merges, and its
+dequantisation runs block-row by block-row; here the whole load takes about a second. Other types
+(K-quants, IQ…) are dequantised by the ``gguf`` package when it is installed (``attnlab[pretrained]``).
+The tests compare this reader with ``gguf``'s, value for value.
+
+Quantised tensors are dequantised to fp32 (or the requested dtype) once, at load.
 llama.cpp stores W_Q and W_K rows permuted for its interleaved RoPE; they are permuted back to the
 "rotate half" layout attnlab (and Hugging Face) use.
 """
 
 from __future__ import annotations
 
+import mmap
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,21 +26,138 @@ import torch
 
 from ..config import TransformerConfig
 
+# -- the file format (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) --------------------------
 
-def _gguf():
+MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+STRING, ARRAY = 8, 9  # metadata value types; the others are scalars:
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+
+# tensor storage types: id → (name, values per block, bytes per block) (ggml's type traits)
+TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+         7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84),
+         11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+         15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+         19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82),
+         23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
+         28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
+         35: ("TQ2_0", 256, 66)}
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # outermost first, as torch has it (GGUF lists dimensions innermost first)
+    type: int               # a key of TYPES
+    data: np.ndarray        # the stored bytes (uint8, memory-mapped)
+
+    @property
+    def type_name(self) -> str:
+        return TYPES.get(self.type, (f"type {self.type}",))[0]
+
+
+class GGUFFile:
+    """A GGUF file's metadata (``metadata``: key → int, float, bool, str or list) and tensor table
+    (``tensors``, in file order), parsed once; tensor data stays on disk until dequantised."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            try:
+                self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # an empty file cannot be mapped
+                raise ValueError("an empty file") from None
+        self._pos = 0
+        if self._bytes(4) != MAGIC:
+            raise ValueError("no GGUF magic at the start of the file")
+        version, n_tensors, n_kv = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (attnlab reads versions 2 and 3)")
+        self.metadata = {}
+        for _ in range(n_kv):
+            key = self._string()
+            self.metadata[key] = self._value(self._unpack("<I"), key)
+        table = []
+        for _ in range(n_tensors):
+            name = self._string()
+            dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
+            table.append((name, tuple(reversed(dims)), self._unpack("<I"), self._unpack("<Q")))
+        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        start = -(-self._pos // align) * align
+        file_bytes = np.frombuffer(self._buf, dtype=np.uint8)
+        self.tensors = []
+        for name, shape, kind, offset in table:
+            if kind not in TYPES:
+                raise ValueError(f"tensor {name} has the unknown storage type {kind}")
+            _, block, size = TYPES[kind]
+            n = int(np.prod(shape))
+            if n % block:
+                raise ValueError(f"tensor {name}: {n} values are not whole blocks of {block} ({TYPES[kind][0]})")
+            begin, end = start + offset, start + offset + n // block * size
+            if end > len(file_bytes):
+                raise ValueError(f"tensor {name} ends past the end of the file (truncated?)")
+            self.tensors.append(GGUFTensor(name, shape, kind, file_bytes[begin:end]))
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+    # -- parsing -------------------------------------------------------------------------------------------
+    def _bytes(self, n: int) -> bytes:
+        if self._pos + n > len(self._buf):
+            raise ValueError("the file ends inside its header (truncated?)")
+        b = self._buf[self._pos: self._pos + n]
+        self._pos += n
+        return b
+
+    def _unpack(self, fmt: str):
+        return struct.unpack(fmt, self._bytes(struct.calcsize(fmt)))[0]
+
+    def _string(self) -> str:
+        return self._bytes(self._unpack("<Q")).decode("utf-8", errors="replace")
+
+    def _value(self, kind: int, key: str):
+        if kind == STRING:
+            return self._string()
+        if kind in _SCALARS:
+            return self._unpack(_SCALARS[kind])
+        if kind != ARRAY:
+            raise ValueError(f"metadata {key!r} has the unknown value type {kind}")
+        item, n = self._unpack("<I"), self._unpack("<Q")
+        if item in _NUMPY:  # numbers: one read for the whole array
+            dtype = np.dtype(_NUMPY[item])
+            return np.frombuffer(self._bytes(n * dtype.itemsize), dtype=dtype).tolist()
+        return [self._value(item, key) for _ in range(n)]
+
+
+def dequantize(t: GGUFTensor) -> np.ndarray:
+    """The tensor's values as fp32, shaped ``t.shape`` (a fresh array)."""
+    name = t.type_name
+    if name in ("F32", "F16"):
+        return t.data.view("<f4" if name == "F32" else "<f2").astype(np.float32).reshape(t.shape)
+    if name == "BF16":  # the top half of an fp32
+        return (t.data.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
+    blocks = t.data.reshape(-1, TYPES[t.type][2])
+    d = blocks[:, :2].view("<f2").astype(np.float32)  # (blocks, 1): every block starts with its fp16 scale
+    if name == "Q8_0":  # d · q, q int8
+        return (blocks[:, 2:].view(np.int8).astype(np.float32) * d).reshape(t.shape)
+    if name in ("Q4_0", "Q4_1"):  # 32 4-bit q: low nibbles are values 0-15, high nibbles 16-31
+        qs = blocks[:, 4 if name == "Q4_1" else 2:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+        if name == "Q4_0":
+            return (d * (q - 8)).reshape(t.shape)
+        return (d * q + blocks[:, 2:4].view("<f2").astype(np.float32)).reshape(t.shape)  # d · q + min
     try:
         import gguf
     except ImportError:
-        raise ImportError("reading GGUF files needs the 'gguf' package: pip install 'attnlab[pretrained]'") from None
-    return gguf
+        raise ValueError(f"tensor {t.name} is stored as {name}, which attnlab dequantises with the 'gguf' "
+                         "package: pip install 'attnlab[pretrained]'") from None
+    return gguf.quants.dequantize(t.data.reshape(-1, t.shape[-1] // TYPES[t.type][1] * TYPES[t.type][2]),
+                                  t.type).reshape(t.shape)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.get(key, default)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -37,16 +165,14 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str | Path):
-    gguf = _gguf()
+def read_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # truncated or not GGUF at all
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    return reader
+        return GGUFFile(path)
+    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:  # truncated or not GGUF
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
 
 
 def gguf_hf_config(reader, path: str = "") -> dict:
@@ -94,16 +220,9 @@ def gguf_config(reader, path: str = "") -> TransformerConfig:
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
     """(model, tokenizer, chat_template or None) from a Llama-architecture GGUF file."""
-    gguf = _gguf()
     reader = read_gguf(path)
     cfg = gguf_config(reader, str(path))
-    tensors = {}
-    for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
-        if arr.size != int(np.prod(shape)):
-            raise ValueError(f"{path}: tensor {t.name} has {arr.size} values, expected {shape} (truncated file?)")
-        tensors[t.name] = arr.reshape(shape)
+    tensors = {t.name: t for t in reader.tensors}
     expected = {"token_embd.weight", "output_norm.weight"} | {
         f"blk.{i}.{n}.weight" for i in range(cfg.n_decoder_layers)
         for n in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_gate", "ffn_up", "ffn_down", "ffn_norm")}
@@ -113,20 +232,21 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
 
     from .hf import _ConfigDict, from_state_dict
     hf_sd = {}
-    for name, arr in tensors.items():
+    for name, t in tensors.items():
         stem, _, leaf = name.rpartition(".")
         if stem.startswith("blk."):
             _, i, kind = stem.split(".", 2)
             if kind not in GGUF_LAYER_NAMES:
                 continue
             hf_name = f"model.layers.{i}.{GGUF_LAYER_NAMES[kind]}.{leaf}"
+            arr = dequantize(t)
             if kind in ("attn_q", "attn_k"):  # llama.cpp's interleaved-RoPE row order → "rotate half"
                 arr = _unpermute(arr, cfg.n_heads if kind == "attn_q" else cfg.kv_heads)
         elif stem in GGUF_NAMES:
-            hf_name = f"{GGUF_NAMES[stem]}.{leaf}"
+            hf_name, arr = f"{GGUF_NAMES[stem]}.{leaf}", dequantize(t)
         else:
             continue
-        hf_sd[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+        hf_sd[hf_name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
     model = from_state_dict(_ConfigDict(gguf_hf_config(reader, str(path))), hf_sd, "model")
     model.config = cfg  # the same model, with the file's unknown-token id and name
     model.to(dtype).eval()
