@@ -72,9 +72,9 @@ class TorchSeq2Seq(nn.Module):
         return self.out(self.tf(x, y, tgt_mask=causal, tgt_is_causal=True))
 
 
-def matmul_peak(dtype) -> float:
+def matmul_peak(dtype, n: int = 2048) -> float:
     """FLOP/s of a large square matmul on this machine, now (the roofline the MFU is measured against)."""
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(3):  # the best of three: a peak, not a sample of the machine's noise
@@ -82,7 +82,7 @@ def matmul_peak(dtype) -> float:
         for _ in range(5):
             a @ b
         best = min(best, time.perf_counter() - t0)
-    return 5 * 2 * 2048 ** 3 / best
+    return 5 * 2 * n ** 3 / best
 
 
 def model_flops(s) -> float:
@@ -237,6 +237,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--shapes", default="small,large", help="comma-separated: small, large (none: only --nanogpt)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--peak-size", type=int, default=2048,
+                    help="side of the square matmul that measures the peak (default 2048; smaller: a quicker, lower peak)")
     ap.add_argument("--nanogpt", default=None, help="a local checkout of karpathy/nanoGPT: also time its Shakespeare step")
     ap.add_argument("--nanogpt-iters", type=int, default=60, help="iterations per process (the first 10 are not timed)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
@@ -251,7 +253,7 @@ def main():
     dtypes = [False] + ([True] if accel.bf16_native("cpu") else [])
     shapes = [] if args.shapes == "none" else args.shapes.split(",")
     for bf16 in dtypes if shapes else []:
-        peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32)
+        peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size)
         results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
         for name in shapes:
             key = f"{name}_{'bf16' if bf16 else 'fp32'}"

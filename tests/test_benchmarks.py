@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_train_speed_runs_one_step():
     pytest.importorskip("transformers")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--steps", "1", "--shapes",
-                          "tiny", "--threads", "1"], capture_output=True, text=True, timeout=300)
+                          "tiny", "--threads", "1", "--peak-size", "256"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
     row = r["tiny_fp32"]

@@ -159,8 +159,8 @@ def test_mlm_pretraining_learns_and_initialises_a_classifier(sentences, tmp_path
     out = tmp_path / "mlm"
     tiny = ["--set", "d_model=64", "--set", "n_heads=4", "--set", "d_ff=128", "--set", "n_encoder_layers=2"]
     assert main(["train", "--task", "mlm", "--train", str(tmp_path / "train.txt"), "--dev", str(tmp_path / "dev.txt"),
-                 "--out", str(out), "--vocab-size", "1000", "--max-steps", "800", "--lr", "3e-3", "--warmup", "30",
-                 "--schedule", "cosine", "--max-tokens", "3000", "--batch-size", "128", "--eval-every", "800",
+                 "--out", str(out), "--vocab-size", "1000", "--max-steps", "500", "--lr", "3e-3", "--warmup", "30",
+                 "--schedule", "cosine", "--max-tokens", "3000", "--batch-size", "128", "--eval-every", "500",
                  "--no-progress", "--max-len", "64", *tiny]) == 0
     # The oracle: the best context-free guess, unigram frequencies of the training tokens. Beating it
     # means the encoder uses the context around each [MASK].
