@@ -593,6 +593,7 @@ def test_compiled_engine_warms_up_then_serves_without_compiling(models):
     assert eng.decode is not eng.net
     assert eng.warm_up() > 0
     assert not eng._rows and eng._prefix_tokens is None and eng.steps == eng.packed_prefills == 0
+    eng.after_warm_up = "fail_on_recompile"  # a batch the warm-up did not compile for raises
     graphs = counters["stats"]["unique_graphs"]
 
     def request(prompt, n):
@@ -618,6 +619,7 @@ def test_compiled_engine_warms_up_then_serves_without_compiling(models):
                 eng._drop_finished()
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
     # a batch no warm-up graph fits (one row with left padding: the engine never makes it) runs eager
+    eng.after_warm_up = "eager_on_recompile"  # what the server runs under
     x = torch.tensor([lm.prompt_ids("a fox")])
     mask = torch.ones(1, x.shape[1] + 2, dtype=torch.bool)
     mask[0, :2] = False
