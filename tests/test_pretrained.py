@@ -113,19 +113,26 @@ def _gguf_reference(path):
     gguf = pytest.importorskip("gguf")
     r = gguf.GGUFReader(str(path))
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    return meta, {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-                  .reshape(tuple(reversed([int(n) for n in t.shape]))) for t in r.tensors}
+
+    def values(t):
+        try:
+            v = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:  # plain integers (I8 …): gguf reads them as numpy integers
+            v = np.asarray(t.data)
+        return v.astype(np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))
+    return meta, {t.name: values(t) for t in r.tensors}
 
 
 def test_the_gguf_reader_reads_what_the_gguf_package_reads(tmp_path):
     """A file of every metadata value type and every storage type attnlab dequantises itself (F32, F16,
-    BF16, Q8_0, Q4_0, Q4_1), written by gguf's writer: same metadata, same values, bit for bit; a cut
-    file is refused with the reason."""
+    BF16, Q8_0, Q4_0, Q4_1, I8), plus one it leaves to the gguf package (Q5_0), written by gguf's
+    writer: same metadata, same values, bit for bit; a cut file is refused with the reason."""
     gguf = pytest.importorskip("gguf")
     from attnlab.interop.gguf import dequantize, read_gguf
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(0)
-    values = {name: rng.standard_normal((8, 64)).astype(np.float32) for name in ("f32", "f16", "bf16", "q8", "q40", "q41")}
+    values = {name: rng.standard_normal((8, 64)).astype(np.float32)
+              for name in ("f32", "f16", "bf16", "q8", "q40", "q41", "q50")}
     path = tmp_path / "all.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_uint8("t.u8", 200), w.add_int8("t.i8", -5), w.add_uint16("t.u16", 60000), w.add_int16("t.i16", -300)
@@ -135,6 +142,9 @@ def test_the_gguf_reader_reads_what_the_gguf_package_reads(tmp_path):
     w.add_array("t.ints", [1, 2, 3]), w.add_array("t.floats", [0.5, -1.5]), w.add_array("t.strs", ["a", "▁b", ""])
     for name, kind in (("f32", T.F32), ("f16", T.F16), ("bf16", T.BF16), ("q8", T.Q8_0), ("q40", T.Q4_0), ("q41", T.Q4_1)):
         w.add_tensor(name, gguf.quants.quantize(values[name], kind), raw_dtype=kind)
+    values["i8"] = rng.integers(-128, 128, (8, 64)).astype(np.int8)
+    w.add_tensor("i8", values["i8"])
+    w.add_tensor("q50", gguf.quants.quantize(values["q50"], T.Q5_0), raw_dtype=T.Q5_0)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
 
     meta, tensors = _gguf_reference(path)
@@ -145,10 +155,11 @@ def test_the_gguf_reader_reads_what_the_gguf_package_reads(tmp_path):
         ours = dequantize(t)
         assert ours.dtype == np.float32 and ours.shape == (8, 64)
         assert np.array_equal(ours, tensors[t.name]), t.type_name
-        assert np.abs(ours - values[t.name]).max() < (1e-6 if t.name == "f32" else 0.5)  # and near what was written
+        assert np.abs(ours - values[t.name]).max() < (1e-6 if t.name in ("f32", "i8") else 0.5)  # near what was written
+    assert [t.type_name for t in f.tensors] == ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "I8", "Q5_0"]
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(ValueError, match=r"cut.gguf: not a readable GGUF file \(tensor q41 ends past the end"):
+    with pytest.raises(ValueError, match=r"cut.gguf: not a readable GGUF file \(tensor q50 ends past the end"):
         read_gguf(cut)
 
 

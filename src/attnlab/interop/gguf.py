@@ -16,6 +16,7 @@ llama.cpp stores W_Q and W_K rows permuted for its interleaved RoPE; they are pe
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -73,7 +74,9 @@ class GGUFFile:
             raise ValueError("no GGUF magic at the start of the file")
         version, n_tensors, n_kv = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
         if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} (attnlab reads versions 2 and 3)")
+            big_endian = version.to_bytes(4, "little")[::-1] in (b"\0\0\0\2", b"\0\0\0\3")
+            raise ValueError("a big-endian GGUF file (attnlab reads little-endian ones)" if big_endian
+                             else f"GGUF version {version} (attnlab reads versions 2 and 3)")
         self.metadata = {}
         for _ in range(n_kv):
             key = self._string()
@@ -83,7 +86,9 @@ class GGUFFile:
             name = self._string()
             dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
             table.append((name, tuple(reversed(dims)), self._unpack("<I"), self._unpack("<Q")))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align % 8:
+            raise ValueError(f"general.alignment is {align!r} (a positive multiple of 8 expected)")
         start = -(-self._pos // align) * align
         file_bytes = np.frombuffer(self._buf, dtype=np.uint8)
         self.tensors = []
@@ -91,10 +96,10 @@ class GGUFFile:
             if kind not in TYPES:
                 raise ValueError(f"tensor {name} has the unknown storage type {kind}")
             _, block, size = TYPES[kind]
-            n = int(np.prod(shape))
-            if n % block:
-                raise ValueError(f"tensor {name}: {n} values are not whole blocks of {block} ({TYPES[kind][0]})")
-            begin, end = start + offset, start + offset + n // block * size
+            if shape and shape[-1] % block:
+                raise ValueError(f"tensor {name}: rows of {shape[-1]} values are not whole blocks of {block} "
+                                 f"({TYPES[kind][0]})")
+            begin, end = start + offset, start + offset + math.prod(shape) // block * size
             if end > len(file_bytes):
                 raise ValueError(f"tensor {name} ends past the end of the file (truncated?)")
             self.tensors.append(GGUFTensor(name, shape, kind, file_bytes[begin:end]))
@@ -114,7 +119,7 @@ class GGUFFile:
         return struct.unpack(fmt, self._bytes(struct.calcsize(fmt)))[0]
 
     def _string(self) -> str:
-        return self._bytes(self._unpack("<Q")).decode("utf-8", errors="replace")
+        return self._bytes(self._unpack("<Q")).decode("utf-8")
 
     def _value(self, kind: int, key: str):
         if kind == STRING:
@@ -137,12 +142,14 @@ def dequantize(t: GGUFTensor) -> np.ndarray:
         return t.data.view("<f4" if name == "F32" else "<f2").astype(np.float32).reshape(t.shape)
     if name == "BF16":  # the top half of an fp32
         return (t.data.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
-    blocks = t.data.reshape(-1, TYPES[t.type][2])
-    d = blocks[:, :2].view("<f2").astype(np.float32)  # (blocks, 1): every block starts with its fp16 scale
-    if name == "Q8_0":  # d · q, q int8
-        return (blocks[:, 2:].view(np.int8).astype(np.float32) * d).reshape(t.shape)
-    if name in ("Q4_0", "Q4_1"):  # 32 4-bit q: low nibbles are values 0-15, high nibbles 16-31
-        qs = blocks[:, 4 if name == "Q4_1" else 2:]
+    if name in _PLAIN:
+        return t.data.view(_PLAIN[name]).astype(np.float32).reshape(t.shape)
+    if name in ("Q8_0", "Q4_0", "Q4_1"):
+        blocks = t.data.reshape(-1, TYPES[t.type][2])
+        d = blocks[:, :2].view("<f2").astype(np.float32)  # (blocks, 1): every block starts with its fp16 scale
+        if name == "Q8_0":  # d · q, q int8
+            return (blocks[:, 2:].view(np.int8).astype(np.float32) * d).reshape(t.shape)
+        qs = blocks[:, 4 if name == "Q4_1" else 2:]  # 32 4-bit q: low nibbles are values 0-15, high ones 16-31
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
         if name == "Q4_0":
             return (d * (q - 8)).reshape(t.shape)
@@ -152,8 +159,23 @@ def dequantize(t: GGUFTensor) -> np.ndarray:
     except ImportError:
         raise ValueError(f"tensor {t.name} is stored as {name}, which attnlab dequantises with the 'gguf' "
                          "package: pip install 'attnlab[pretrained]'") from None
-    return gguf.quants.dequantize(t.data.reshape(-1, t.shape[-1] // TYPES[t.type][1] * TYPES[t.type][2]),
-                                  t.type).reshape(t.shape)
+    try:
+        values = gguf.quants.dequantize(t.data.reshape(-1, t.shape[-1] // TYPES[t.type][1] * TYPES[t.type][2]),
+                                        gguf.GGMLQuantizationType(t.type))
+    except (NotImplementedError, ValueError) as e:
+        raise ValueError(f"tensor {t.name} is stored as {name}, which neither attnlab nor the 'gguf' package "
+                         f"dequantises ({e})") from None
+    return values.astype(np.float32).reshape(t.shape)
+
+
+_PLAIN = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "F64": "<f8"}  # stored as plain numbers
+
+
+def _values(t: GGUFTensor, path) -> np.ndarray:
+    try:
+        return dequantize(t)
+    except ValueError as e:  # a type nothing here dequantises: say which file
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _field(reader: GGUFFile, key: str, default=None):
@@ -171,7 +193,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise FileNotFoundError(f"{path}: no such file")
     try:
         return GGUFFile(path)
-    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:  # truncated or not GGUF
+    except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:  # truncated or not GGUF
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
 
 
@@ -239,11 +261,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
             if kind not in GGUF_LAYER_NAMES:
                 continue
             hf_name = f"model.layers.{i}.{GGUF_LAYER_NAMES[kind]}.{leaf}"
-            arr = dequantize(t)
+            arr = _values(t, path)
             if kind in ("attn_q", "attn_k"):  # llama.cpp's interleaved-RoPE row order → "rotate half"
                 arr = _unpermute(arr, cfg.n_heads if kind == "attn_q" else cfg.kv_heads)
         elif stem in GGUF_NAMES:
-            hf_name, arr = f"{GGUF_NAMES[stem]}.{leaf}", dequantize(t)
+            hf_name, arr = f"{GGUF_NAMES[stem]}.{leaf}", _values(t, path)
         else:
             continue
         hf_sd[hf_name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
