@@ -4,7 +4,7 @@ tokenizer rebuilt from the file's metadata.
 The file is parsed here (``GGUFFile``: the header, the metadata and the tensor table with ``struct``,
 the tensor data as memory-mapped bytes), and the common storage types are dequantised here too (F32,
 F16, BF16, Q8_0, Q4_0, Q4_1: SmolLM2's file is Q4_1 + Q8_0 + F32). Why not ``gguf``'s own reader: it
-builds a numpy view per metadata item, ~5 s for SmolLM2's 49k-token vocabulary and merges, and its
+builds a numpy view per metadata item, ~4 s for SmolLM2's 49k-token vocabulary and merges, and its
 dequantisation runs block-row by block-row; here the whole load takes about a second. Other types
 (K-quants, IQ…) are dequantised by the ``gguf`` package when it is installed (``attnlab[pretrained]``).
 The tests compare this reader with ``gguf``'s, value for value.
@@ -55,7 +55,7 @@ class GGUFTensor:
 
     @property
     def type_name(self) -> str:
-        return TYPES.get(self.type, (f"type {self.type}",))[0]
+        return TYPES[self.type][0]  # GGUFFile refuses types not in TYPES
 
 
 class GGUFFile:
@@ -135,6 +135,9 @@ class GGUFFile:
         return [self._value(item, key) for _ in range(n)]
 
 
+_PLAIN = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "F64": "<f8"}  # stored as plain numbers
+
+
 def dequantize(t: GGUFTensor) -> np.ndarray:
     """The tensor's values as fp32, shaped ``t.shape`` (a fresh array)."""
     name = t.type_name
@@ -168,18 +171,11 @@ def dequantize(t: GGUFTensor) -> np.ndarray:
     return values.astype(np.float32).reshape(t.shape)
 
 
-_PLAIN = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "F64": "<f8"}  # stored as plain numbers
-
-
 def _values(t: GGUFTensor, path) -> np.ndarray:
     try:
         return dequantize(t)
     except ValueError as e:  # a type nothing here dequantises: say which file
         raise ValueError(f"{path}: {e}") from None
-
-
-def _field(reader: GGUFFile, key: str, default=None):
-    return reader.get(key, default)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -193,35 +189,35 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise FileNotFoundError(f"{path}: no such file")
     try:
         return GGUFFile(path)
-    except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:  # truncated or not GGUF
+    except (ValueError, OverflowError, MemoryError) as e:  # truncated or not GGUF (bad UTF-8 is a ValueError)
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
 
 
 def gguf_hf_config(reader, path: str = "") -> dict:
     """The file's metadata as a Hugging Face ``LlamaConfig`` dict (its architecture must be Llama)."""
-    arch = _field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (attnlab reads 'llama')")
     def g(key, default=None):
-        value = _field(reader, f"llama.{key}", default)
+        value = reader.get(f"llama.{key}", default)
         if value is None:
             raise ValueError(f"{path}: the GGUF metadata has no llama.{key} (an incomplete Llama file)")
         return value
 
     d_model, n_heads = int(g("embedding_length")), int(g("attention.head_count"))
     names = {t.name for t in reader.tensors}
-    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
+    eos = int(reader.get("tokenizer.ggml.eos_token_id", 2))
     # The metadata as a Hugging Face LlamaConfig: from here on the GGUF file is read by the same
     # Llama rules as an HF folder (interop/hf.py), so the layout is written once.
     return {
-        "model_type": "llama", "vocab_size": int(g("vocab_size", len(_field(reader, "tokenizer.ggml.tokens", [])))),
+        "model_type": "llama", "vocab_size": int(g("vocab_size", len(reader.get("tokenizer.ggml.tokens", [])))),
         "hidden_size": d_model, "num_attention_heads": n_heads,
         "num_key_value_heads": int(g("attention.head_count_kv", n_heads)), "num_hidden_layers": int(g("block_count")),
         "intermediate_size": int(g("feed_forward_length")), "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)), "max_position_embeddings": int(g("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu",
-        "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", eos)),
-        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)), "eos_token_id": eos,
+        "pad_token_id": int(reader.get("tokenizer.ggml.padding_token_id", eos)),
+        "bos_token_id": int(reader.get("tokenizer.ggml.bos_token_id", 1)), "eos_token_id": eos,
     }
 
 
@@ -237,7 +233,7 @@ def gguf_config(reader, path: str = "") -> TransformerConfig:
     from .hf import _ConfigDict, _llama_config
     meta = gguf_hf_config(reader, path)
     return _llama_config(_ConfigDict(meta)).replace(
-        unk_id=int(_field(reader, "tokenizer.ggml.unknown_token_id", 0)), name=str(_field(reader, "general.name", "gguf")))
+        unk_id=int(reader.get("tokenizer.ggml.unknown_token_id", 0)), name=str(reader.get("general.name", "gguf")))
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
@@ -272,7 +268,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
     model = from_state_dict(_ConfigDict(gguf_hf_config(reader, str(path))), hf_sd, "model")
     model.config = cfg  # the same model, with the file's unknown-token id and name
     model.to(dtype).eval()
-    return model, gguf_tokenizer(reader, cfg), _field(reader, "tokenizer.chat_template")
+    return model, gguf_tokenizer(reader, cfg), reader.get("tokenizer.chat_template")
 
 
 def gguf_tokenizer(reader, cfg: TransformerConfig):
@@ -282,14 +278,14 @@ def gguf_tokenizer(reader, cfg: TransformerConfig):
     from tokenizers import decoders, models, pre_tokenizers
 
     from ..data.tokenizer import Tokenizer
-    kind = _field(reader, "tokenizer.ggml.model")
+    kind = reader.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (attnlab reads byte-level BPE 'gpt2')")
-    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
-    merges = [tuple(str(m).split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    tokens = [str(t) for t in reader.get("tokenizer.ggml.tokens")]
+    merges = [tuple(str(m).split(" ", 1)) for m in reader.get("tokenizer.ggml.merges")]
+    types = list(reader.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     tk = TK(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    pre = reader.get("tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # llama.cpp's SmolLM pre-tokenizer: every digit alone, then GPT-2's split
         tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),

@@ -243,20 +243,6 @@ class _EngineLoop:
     def _reset(self) -> None:
         self._rows = []
 
-    # After a warm-up: a batch no compiled graph fits runs eager instead of compiling (a minute during
-    # which every row would wait; seen once in serve_load's third round before this): same answers to
-    # float rounding, only that step is slower. (The tests set "fail_on_recompile": the warm-up must
-    # cover the traffic they send.)
-    after_warm_up = "eager_on_recompile"
-
-    def _never_compile_again(self) -> None:
-        compiled = self.decode
-
-        def decode(*args, **kwargs):
-            with torch.compiler.set_stance(self.after_warm_up):
-                return compiled(*args, **kwargs)
-        self.decode = decode
-
     def _admit_all(self, jobs: list[Job]) -> None:
         """The jobs that join at this step (one at a time unless an engine does better)."""
         for job in jobs:
@@ -328,6 +314,11 @@ class Engine(_EngineLoop):
 
     # the traffic of warm_up: waves of (prompt length, new tokens) that arrive together; the last
     # wave gets a newcomer after its first step (a prefill packed into a running batch, a spliced cache)
+    # After the warm-up a batch no compiled graph fits runs eager instead of compiling (a minute during
+    # which every row would wait; seen once in serve_load's third round before this): same answers to
+    # float rounding, only that step is slower. (The tests set "fail_on_recompile": the warm-up must
+    # cover the traffic they send.)
+    after_warm_up = "eager_on_recompile"
     WARM_UP_WAVES = (((20, 3),), ((20, 5), (24, 3)), ((20, 4), (20, 4)), ((20, 6), (22, 6), (26, 6)))
 
     def warm_up(self) -> int:
@@ -365,7 +356,12 @@ class Engine(_EngineLoop):
             self._reset()
             self._prefix_tokens, self._prefix_kv = None, []
             self.steps = self.largest_prefill = self.prefix_hits = self.packed_prefills = 0
-        self._never_compile_again()
+        compiled = self.decode
+
+        def decode(*args, **kwargs):
+            with torch.compiler.set_stance(self.after_warm_up):
+                return compiled(*args, **kwargs)
+        self.decode = decode
         return steps
 
     def _pick(self, req: Request, logits: torch.Tensor) -> int:
