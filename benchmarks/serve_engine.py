@@ -4,6 +4,8 @@
    ``--profile`` the operators that take it (torch.profiler).
 2. The continuous-batching engine (``attnlab.serve.engine.Engine``) fed by ``--clients`` callers that
    each submit serve_load's next chat prompt when their last one ends (greedy, ``--max-tokens`` new
+   tokens; a comma list gives the requests those budgets in turn, so that they end at different steps and
+   newcomers join one by one, as under a server's traffic; one value: they end, and join, in waves)
    tokens): output tokens/s, steps, ms per step, prefix-reuse hits and packed prefills.
 
     python benchmarks/serve_engine.py --threads 2 --clients 16 --requests 48
@@ -54,7 +56,7 @@ def step_time(net, rows: int, repeats: int, profile: bool) -> dict:
     return out
 
 
-def engine_throughput(m, clients: int, n_requests: int, max_tokens: int) -> dict:
+def engine_throughput(m, clients: int, n_requests: int, budgets: list[int]) -> dict:
     from attnlab.pretrained import apply_chat_template
     from attnlab.serve.engine import Engine, Request
     ids = [m.tokenizer.encode(apply_chat_template(m.chat_template, [{"role": "user", "content": p}]))
@@ -74,11 +76,11 @@ def engine_throughput(m, clients: int, n_requests: int, max_tokens: int) -> dict
     def run(n):
         sent = min(clients, n)
         for k in range(sent):
-            eng.submit(Counted(prompt=ids[k % len(ids)], max_new_tokens=max_tokens))
+            eng.submit(Counted(prompt=ids[k % len(ids)], max_new_tokens=budgets[k % len(budgets)]))
         for _ in range(n):
             finished.acquire()
             if sent < n:
-                eng.submit(Counted(prompt=ids[sent % len(ids)], max_new_tokens=max_tokens))
+                eng.submit(Counted(prompt=ids[sent % len(ids)], max_new_tokens=budgets[sent % len(budgets)]))
                 sent += 1
     try:
         run(min(clients, n_requests))  # warm: the first prefills, the allocator
@@ -101,9 +103,13 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print the step's operator profile to stderr")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", default="64", help="new tokens per request; a comma list: the budgets in turn")
     args = ap.parse_args()
-    if min(args.rows, args.repeats, args.clients, args.requests, args.max_tokens) < 1:
+    try:
+        budgets = [int(v) for v in args.max_tokens.split(",")]
+    except ValueError:
+        ap.error(f"--max-tokens: integers separated by commas, got {args.max_tokens!r}")
+    if min(args.rows, args.repeats, args.clients, args.requests, *budgets) < 1:
         ap.error("--rows, --repeats, --clients, --requests and --max-tokens must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,7 +118,7 @@ def main():
     m = attnlab.load("smollm2")
     report = {"cpu": f"{cpu_name()} ({cpu_isa()})", "threads": torch.get_num_threads(),
               "step": step_time(m.module, args.rows, args.repeats, args.profile),
-              "engine": engine_throughput(m, args.clients, args.requests, args.max_tokens)}
+              "engine": engine_throughput(m, args.clients, args.requests, budgets)}
     print(json.dumps(report))
 
 

@@ -325,6 +325,82 @@ def test_prompts_that_share_a_prefix_reuse_its_kv_and_equal_alone(models, name):
         s.close()
 
 
+@pytest.mark.parametrize("name", ["lm", "llama"])  # learned positions; RoPE with GQA
+def test_the_batch_cache_changes_in_place_and_answers_equal_alone(models, name):
+    """The engine's batch cache lives in buffers of max_batch rows: a newcomer no longer than the batch is
+    written into free rows (the running rows are not copied), a finished row's place is taken by the last
+    row, all-padding columns are shifted out in place, and the buffers grow when the columns run out.
+    Through all of it every greedy answer equals the request served alone."""
+    from attnlab.serve.engine import Engine, Request
+    m = models[name]
+    eng = Engine(m, max_batch=6)
+    eng.ROOM, eng.CUT_MIN = 3, 2  # small enough that growth and cuts happen within a few steps
+
+    def request(prompt, n):
+        r = Request(prompt=m.prompt_ids(prompt), max_new_tokens=n)
+        r.events = []
+        r._emit = r.events.append
+        return r
+
+    def step():
+        eng._step()
+        eng._drop_finished()
+
+    def buffer():
+        return eng._bufs[0][0].data_ptr()
+
+    def check_cache():
+        """Every row's real K/V columns are those of its tokens run alone (the oracle: a fresh forward)."""
+        for row, r in enumerate(eng._rows):
+            ids = r.prompt + r.generated[:-1]  # the newest token is fed by the next step
+            alone_cache = m.module.new_cache()
+            m.module(torch.tensor([ids]), cache=alone_cache)
+            real = eng._mask[row]
+            assert int(real.sum()) == len(ids)
+            for (bc, _), (ac, _) in zip(eng._cache.layers, alone_cache.layers):
+                assert torch.isfinite(bc.v[row][:, :eng._cache.length]).all()  # padding too: 0 × NaN would be NaN
+                torch.testing.assert_close(bc.k[row][:, :eng._cache.length][:, real], ac.k[0, :, :len(ids)])
+                torch.testing.assert_close(bc.v[row][:, :eng._cache.length][:, real], ac.v[0, :, :len(ids)])
+
+    asked, seen = [], {"in_place_join": 0, "moved": 0, "cut": 0, "grown": 0}
+    with torch.inference_mode():
+        for wave in ([("the quick brown fox jumps", 9), ("a", 3), ("lazy dog over", 12)],
+                     [("0123", 4), ("THE END", 10)], [("fox?", 6)], [("zz", 11), ("the dog", 2)]):
+            reqs = [request(p, n) for p, n in wave]
+            before = buffer() if eng._rows else None
+            length = eng._cache.length if eng._rows else 0
+            eng._admit_all(reqs)
+            asked += [(r, p, n) for r, (p, n) in zip(reqs, wave)]
+            if before is not None and max(len(r.prompt) for r in reqs) <= length and buffer() == before:
+                seen["in_place_join"] += 1
+            check_cache()
+            for _ in range(3):
+                if not eng._rows:
+                    break
+                rows, ptr, cols = list(eng._rows), buffer(), eng._bufs[0][0].shape[2]
+                length = eng._cache.length
+                step()
+                if not eng._rows:
+                    break
+                left = [r for r in rows if r.cancelled]
+                if left and rows[:len(eng._rows)] != eng._rows:
+                    seen["moved"] += 1  # a later row took a finished row's place
+                if eng._cache.length < length + 1:
+                    seen["cut"] += 1
+                if eng._bufs[0][0].shape[2] > cols and buffer() != ptr:
+                    seen["grown"] += 1
+                assert eng._cache.layers[0][0].k.data_ptr() == buffer()  # the cache is a view of the buffers
+                assert eng._mask.shape == (len(eng._rows), eng._cache.length)
+                check_cache()
+        while eng._rows:
+            step()
+            check_cache()
+    assert all(seen.values()), seen
+    for r, p, n in asked:
+        assert r.events[-1][0] == "done"
+        assert m.tokenizer.decode([t for kind, t in r.events if kind == "token"]) == alone(m, p, n), (p, n)
+
+
 def test_a_model_that_loads_answers_503_until_ready(models):
     ready = threading.Event()
 

@@ -25,9 +25,10 @@ padding is masked out of attention, so a padded row computes what the prompt alo
   each row then picks its next token with its own options (greedy, or temperature / top-p
   sampling from its own seeded ``torch.Generator``, as ``stream_tokens`` does for one prompt;
   the greedy rows share one argmax).
-* Finished rows (EOS, their token budget, a stop string, a client that went away) are dropped
-  from the cache (``DecoderCache.reorder``); columns that have become padding in every row are cut
-  off the left, so the batch never pays for requests that left.
+* Finished rows (EOS, their token budget, a stop string, a client that went away) leave the
+  cache: the batch's last rows move into their places; once ``CUT_MIN`` columns have become padding
+  in every row they are cut off the left, so the batch does not keep paying for requests that left.
+  All of it in place, in buffers of ``max_batch`` rows (``Engine._rebuild``).
 
 Identical to "served alone": a row's positions, its keys and its mask are those of the request
 alone; the only difference is which other rows share the matrix products, which changes nothing
@@ -276,6 +277,14 @@ def _or_none(mask: torch.Tensor) -> torch.Tensor | None:
     return None if bool(mask.all()) else mask
 
 
+def _shift_left(t: torch.Tensor, by: int, n: int) -> None:
+    """Move columns [by, n) of t (rows, kv, columns, hd) to [0, n - by), in place: in blocks of at most
+    ``by`` columns, so no block's source and destination overlap."""
+    for j in range(0, n - by, by):
+        w = min(by, n - by - j)
+        t[:, :, j:j + w] = t[:, :, j + by:j + by + w]
+
+
 def _keep_rows(cache, mask: torch.Tensor, index: torch.Tensor, cross: bool = False) -> torch.Tensor:
     """Keep rows ``index`` of the batch cache and its key mask, and cut off the left the columns that
     have become padding in every row (their requests left): one copy (``DecoderCache.reorder``)."""
@@ -300,6 +309,7 @@ class Engine(_EngineLoop):
         self.on_step = on_step                 # callback(batch_size) after every decode step
         self.on_first_token = on_first_token   # callback(seconds from submit to first token)
         self._cache = None
+        self._bufs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: the K and V buffers of the cache
         self._mask: torch.Tensor | None = None     # (rows, length) bool: real tokens
         self._last: torch.Tensor | None = None     # (rows,) newest token of each row
         self.largest_prefill = 0                   # most prompts prefilled in one forward so far
@@ -310,7 +320,7 @@ class Engine(_EngineLoop):
         self._warmed = False                       # warm_up ran (then the step never compiles again)
 
     def _reset(self) -> None:
-        self._rows, self._cache, self._mask, self._last = [], None, None, None
+        self._rows, self._cache, self._mask, self._last, self._bufs = [], None, None, None, []
 
     # the traffic of warm_up: waves of (prompt length, new tokens) that arrive together; the last
     # wave gets a newcomer after its first step (a prefill packed into a running batch, a spliced cache)
@@ -409,6 +419,7 @@ class Engine(_EngineLoop):
             x, mask, cache = self._prefill_inputs(ok)
             if packed:
                 started = True
+                self._make_room()
                 step_mask = self._step_mask()
                 running, logits = self.net.forward_packed([
                     (self._last[:, None], _or_none(step_mask), self._cache), (x, _or_none(mask), cache)])
@@ -505,26 +516,80 @@ class Engine(_EngineLoop):
         self._prefix_tokens = list(prompt)
 
     def _join(self, reqs: list[Request], cache, mask: torch.Tensor, tokens: list[int]) -> None:
-        """Splice prefilled rows (their right-aligned cache and key mask) into the batch cache."""
+        """Splice prefilled rows (their right-aligned cache and key mask) into the batch cache. Newcomers
+        no longer than the batch are written into the buffers' free rows (``_rebuild``): the join copies
+        their K/V only. Otherwise the buffers are made again, every row copied."""
         dev = self.net.device
         new_last = torch.tensor(tokens, device=dev)
-        if not self._rows:
-            self._rows, self._cache, self._mask, self._last = list(reqs), cache, mask, new_last
-            return
-        L, P, B = self._cache.length, cache.length, len(self._rows)
-        for (bc, _), (nc, _) in zip(self._cache.layers, cache.layers):
-            bc.k, N = _splice(bc.k, nc.k, L, P, 64)
-            bc.v, _ = _splice(bc.v, nc.v, L, P, 64)
-            bc.length = N
-        joined = torch.zeros(B + len(reqs), N, dtype=torch.bool, device=dev)
-        joined[:B, N - L:] = self._mask
-        joined[B:, N - P:] = mask
+        B, n, P = len(self._rows), len(reqs), cache.length
+        L = self._cache.length if B else 0
+        if not (B and P <= L and self._buffers_hold(B + n, L + 1)):
+            self._rebuild(B + n, max(L, P), like=cache)
+            L = self._cache.length
+        for (bc, _), (nc, _), (kb, vb) in zip(self._cache.layers, cache.layers, self._bufs):
+            for buf, new in ((kb, nc.k), (vb, nc.v)):
+                buf[B:B + n, :, :L - P].zero_()  # left padding: masked out, but finite (0 × NaN is NaN)
+                buf[B:B + n, :, L - P:L] = new[:, :, :P]
+            bc.k, bc.v = kb[:B + n], vb[:B + n]
+        joined = torch.zeros(B + n, L, dtype=torch.bool, device=dev)
+        if B:
+            joined[:B] = self._mask
+            self._last = torch.cat([self._last, new_last])
+        else:
+            self._last = new_last
+        joined[B:, L - P:] = mask
         self._mask = joined
-        self._last = torch.cat([self._last, new_last])
         self._rows.extend(reqs)
+
+    # The batch cache lives in buffers of (max_batch rows, kv, columns, hd) per layer, and each layer's
+    # KVCache holds a view of their first rows (contiguous, as a cache of exactly those rows would be, so a
+    # compiled step sees the same layout). Joining, leaving and cutting padding columns then move only the
+    # rows and columns that change, in place: with fresh buffers per change (the first engine), a join of
+    # SmolLM2 at 16 rows took ~30 ms, most of it the kernel's page faults on ~8 MB of new memory per tensor
+    # (docs/results.md, "the batch cache in place").
+    ROOM = 64     # free columns a rebuilt cache keeps for the coming steps
+    CUT_MIN = 16  # all-padding columns on the left are cut (shifted out in place) once there are this many
+
+    def _buffers_hold(self, rows: int, cols: int) -> bool:
+        """Whether the buffers have ``rows`` rows and ``cols`` columns, and the cache still lives in them
+        (a step that outgrew the columns has its KVCache reallocate on its own)."""
+        return bool(self._bufs) and self._bufs[0][0].shape[0] >= rows and self._bufs[0][0].shape[2] >= cols and all(
+            bc.k.data_ptr() == kb.data_ptr() for (bc, _), (kb, _) in zip(self._cache.layers, self._bufs))
+
+    def _rebuild(self, rows: int, N: int, like) -> None:
+        """New buffers of max(max_batch, rows) rows and N + ROOM columns, the running rows' K/V copied
+        right-aligned to length N (their new left padding zeroed, as their mask); ``like`` (a cache of the
+        same model) gives the shapes when no row is running."""
+        B = len(self._rows)
+        L = self._cache.length if B else 0
+        bufs = []
+        for i, (nc, _) in enumerate(like.layers):
+            pair = []
+            for name in ("k", "v"):
+                t = getattr(nc, name)
+                buf = t.new_empty(max(self.max_batch, rows), t.shape[1], N + self.ROOM, t.shape[3])
+                if B:
+                    buf[:B, :, :N - L].zero_()
+                    buf[:B, :, N - L:N] = getattr(self._cache.layers[i][0], name)[:, :, :L]
+                pair.append(buf)
+            bufs.append(tuple(pair))
+        if not B:
+            self._cache = self.net.new_cache()
+        for (bc, _), (kb, vb) in zip(self._cache.layers, bufs):
+            bc.k, bc.v, bc.length = kb[:B], vb[:B], N
+        if B and N > L:
+            self._mask = torch.cat([self._mask.new_zeros(B, N - L), self._mask], 1)
+        self._bufs = bufs
+
+    def _make_room(self) -> None:
+        """A free column for the token the next step appends (the buffers grow by ROOM columns)."""
+        if self._bufs and not self._buffers_hold(len(self._rows), self._cache.length + 1) and self._buffers_hold(
+                len(self._rows), 0):
+            self._rebuild(len(self._rows), self._cache.length, like=self._cache)
 
     def _step(self) -> None:
         """One token for every row of the batch."""
+        self._make_room()
         mask = self._step_mask()
         self._advance(mask, self.decode(self._last[:, None], _or_none(mask), cache=self._cache,
                                         last_only=True).float())
@@ -563,10 +628,40 @@ class Engine(_EngineLoop):
         if not keep:
             self._reset()
             return
-        index = torch.tensor(keep, device=self._last.device)
-        self._mask = _keep_rows(self._cache, self._mask, index)
+        dev = self._last.device
+        if not self._buffers_hold(len(self._rows), 0):  # the cache outgrew its buffers: copy what stays
+            index = torch.tensor(keep, device=dev)
+            self._mask = _keep_rows(self._cache, self._mask, index)
+            self._last = self._last.index_select(0, index)
+            self._rows = [self._rows[i] for i in keep]
+            self._bufs = []
+            return
+        # the last rows that stay move into the holes below them: one row copied per hole
+        B = len(keep)
+        holes = [i for i in range(B) if self._rows[i].cancelled]
+        movers = [i for i in keep if i >= B]
+        order = list(range(B))
+        for h, m in zip(holes, movers):
+            order[h] = m
+        N = self._cache.length
+        if holes:
+            dst, src = torch.tensor(holes, device=dev), torch.tensor(movers, device=dev)
+            for kb, vb in self._bufs:
+                kb[dst, :, :N] = kb[src, :, :N]
+                vb[dst, :, :N] = vb[src, :, :N]
+        index = torch.tensor(order, device=dev)
+        mask = self._mask.index_select(0, index)
         self._last = self._last.index_select(0, index)
-        self._rows = [self._rows[i] for i in keep]
+        self._rows = [self._rows[i] for i in order]
+        first = int(mask.any(0).long().argmax())  # columns that are padding in every row (their requests left)
+        if first >= self.CUT_MIN:
+            for kb, vb in self._bufs:
+                _shift_left(kb[:B], first, N)
+                _shift_left(vb[:B], first, N)
+            mask, N = mask[:, first:], N - first
+        self._mask = mask
+        for (bc, _), (kb, vb) in zip(self._cache.layers, self._bufs):
+            bc.k, bc.v, bc.length = kb[:B], vb[:B], N
 
 
 class TranslationEngine(_EngineLoop):
