@@ -28,7 +28,7 @@ padding is masked out of attention, so a padded row computes what the prompt alo
 * Finished rows (EOS, their token budget, a stop string, a client that went away) leave the
   cache: the batch's last rows move into their places; once ``CUT_MIN`` columns have become padding
   in every row they are cut off the left, so the batch does not keep paying for requests that left.
-  All of it in place, in buffers of ``max_batch`` rows (``Engine._rebuild``).
+  All of it in place, in buffers with rows to spare (``Engine._rebuild``).
 
 Identical to "served alone": a row's positions, its keys and its mask are those of the request
 alone; the only difference is which other rows share the matrix products, which changes nothing
@@ -541,7 +541,7 @@ class Engine(_EngineLoop):
         self._mask = joined
         self._rows.extend(reqs)
 
-    # The batch cache lives in buffers of (max_batch rows, kv, columns, hd) per layer, and each layer's
+    # The batch cache lives in buffers of (up to max_batch rows, kv, columns, hd) per layer, and each layer's
     # KVCache holds a view of their first rows (contiguous, as a cache of exactly those rows would be, so a
     # compiled step sees the same layout). Joining, leaving and cutting padding columns then move only the
     # rows and columns that change, in place: with fresh buffers per change (the first engine), a join of
@@ -557,17 +557,20 @@ class Engine(_EngineLoop):
             bc.k.data_ptr() == kb.data_ptr() for (bc, _), (kb, _) in zip(self._cache.layers, self._bufs))
 
     def _rebuild(self, rows: int, N: int, like) -> None:
-        """New buffers of max(max_batch, rows) rows and N + ROOM columns, the running rows' K/V copied
+        """New buffers of at least ``rows`` rows and N + ROOM columns, the running rows' K/V copied
         right-aligned to length N (their new left padding zeroed, as their mask); ``like`` (a cache of the
         same model) gives the shapes when no row is running."""
         B = len(self._rows)
         L = self._cache.length if B else 0
+        # rows for the next newcomers too, as a vector grows (twice the rows, at least 8), up to max_batch:
+        # untouched rows cost no memory on CPU, but a GPU allocation is memory taken
+        cap = max(rows, min(self.max_batch, max(2 * rows, 8)))
         bufs = []
         for i, (nc, _) in enumerate(like.layers):
             pair = []
             for name in ("k", "v"):
                 t = getattr(nc, name)
-                buf = t.new_empty(max(self.max_batch, rows), t.shape[1], N + self.ROOM, t.shape[3])
+                buf = t.new_empty(cap, t.shape[1], N + self.ROOM, t.shape[3])
                 if B:
                     buf[:B, :, :N - L].zero_()
                     buf[:B, :, N - L:N] = getattr(self._cache.layers[i][0], name)[:, :, :L]
