@@ -228,10 +228,11 @@ GGUF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", 
                     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_norm": "post_attention_layernorm"}
 
 
-def gguf_config(reader, path: str = "") -> TransformerConfig:
-    """The attnlab config of a Llama GGUF file (through the HF Llama config rule)."""
+def gguf_config(reader, path: str = "", meta: dict | None = None) -> TransformerConfig:
+    """The attnlab config of a Llama GGUF file (through the HF Llama config rule; ``meta``: its
+    ``gguf_hf_config``, if already made)."""
     from .hf import _ConfigDict, _llama_config
-    meta = gguf_hf_config(reader, path)
+    meta = gguf_hf_config(reader, path) if meta is None else meta
     return _llama_config(_ConfigDict(meta)).replace(
         unk_id=int(reader.get("tokenizer.ggml.unknown_token_id", 0)), name=str(reader.get("general.name", "gguf")))
 
@@ -239,7 +240,8 @@ def gguf_config(reader, path: str = "") -> TransformerConfig:
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
     """(model, tokenizer, chat_template or None) from a Llama-architecture GGUF file."""
     reader = read_gguf(path)
-    cfg = gguf_config(reader, str(path))
+    meta = gguf_hf_config(reader, str(path))
+    cfg = gguf_config(reader, str(path), meta)
     tensors = {t.name: t for t in reader.tensors}
     expected = {"token_embd.weight", "output_norm.weight"} | {
         f"blk.{i}.{n}.weight" for i in range(cfg.n_decoder_layers)
@@ -265,7 +267,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
         else:
             continue
         hf_sd[hf_name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-    model = from_state_dict(_ConfigDict(gguf_hf_config(reader, str(path))), hf_sd, "model")
+    model = from_state_dict(_ConfigDict(meta), hf_sd, "model")
     model.config = cfg  # the same model, with the file's unknown-token id and name
     model.to(dtype).eval()
     return model, gguf_tokenizer(reader, cfg), reader.get("tokenizer.chat_template")
