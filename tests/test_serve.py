@@ -632,10 +632,10 @@ def test_engine_failures_in_a_packed_step_fail_the_batch_and_the_engine_goes_on(
         assert lm.tokenizer.decode([t for kind, t in r.events if kind == "token"]) == want
 
 
-def test_compile_keeps_a_quantised_model_eager_in_the_server(models, monkeypatch):
+def test_compile_keeps_quantised_models_and_translators_eager_in_the_server(models, monkeypatch):
     """`serve --compile` with `--quantize`: the compiled quantised step would autotune again at every new
     batch shape and answer differently per batch size, so the engine keeps the eager step (and
-    compiles the others)."""
+    compiles the others). A translator's batches change kind too often for a warm-up: eager too."""
     import copy
 
     from attnlab.quant import quantize_model
@@ -648,6 +648,8 @@ def test_compile_keeps_a_quantised_model_eager_in_the_server(models, monkeypatch
     q.module = quantize_model(copy.deepcopy(lm.module), "int8")
     eng = engine.Engine(q, compile=True)
     assert eng.decode is eng.net and calls == [lm.module]
+    mt = engine.TranslationEngine(models["mt"], compile=True)
+    assert mt.decode == models["mt"].module.decode and calls == [lm.module]
 
 
 @pytest.mark.skipif(not __import__("attnlab.accel", fromlist=["can_compile"]).can_compile("cpu"),

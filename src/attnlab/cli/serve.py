@@ -27,9 +27,9 @@ def arguments(p) -> None:
                    help="weight-only quantisation of every linear layer (attnlab.quant): less memory, faster "
                         "decoding of small batches on CPU")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decoding step of language models and translators (dynamic shapes; "
-                        "a language model's step is compiled at start-up, ~1 min for SmolLM2 on 2 cores, answering "
-                        "503 until then; --quantize models stay eager)")
+                   help="torch.compile the decoding step of language models (dynamic shapes; compiled at "
+                        "start-up, minutes for SmolLM2 on 2 cores, answering 503 until then; --quantize models "
+                        "and translators stay eager)")
     add_device(p)
 
 

@@ -682,7 +682,15 @@ class TranslationEngine(_EngineLoop):
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 256, on_step=None, compile: bool = False):
         super().__init__(model, max_batch, max_queue)
-        self.decode = _served_step(self.net, self.net.decode, compile)
+        # The decoder step stays eager under ``serve --compile``: its batches change kind far more than a
+        # language model's (the first step's empty cache, beams joining and reordering, source masks,
+        # the cache's capacity), and no warm-up covers them at an affordable cost. Measured: a one-layer
+        # translator met 18 graphs over five waves of mixed requests and hit dynamo's recompile limit;
+        # a compilation of generation_speed.py's Marian-size decoder takes ~17–24 s on 2 cores, every row waiting.
+        # ``attnlab translate --compile`` is where translators compile.
+        if compile:
+            log.info("serve --compile: %s is a translator, its decoding step stays eager", type(self.net).__name__)
+        self.decode = self.net.decode
         cfg = self.net.config
         self.eos_id, self.pad_id, self.bos_id = cfg.eos_id, cfg.pad_id, cfg.bos_id
         self.on_step = on_step
