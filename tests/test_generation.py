@@ -7,7 +7,7 @@ import torch
 
 from attnlab import TransformerConfig, accel, build_model
 from attnlab.generate import GenerationConfig, generate
-from attnlab.generate.search import beam_search, length_penalty
+from attnlab.generate.search import beam_search, length_penalty, top_k_of_rows
 
 POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "none"]
 
@@ -195,6 +195,24 @@ def test_no_repeat_ngram_and_min_length():
     model.config.eos_id = generate(model, prompt, max_new_tokens=1).sequences[0][0]  # the next token is EOS
     assert generate(model, prompt, max_new_tokens=5).sequences[0] == []
     assert len(generate(model, prompt, max_new_tokens=5, min_new_tokens=3).sequences[0]) >= 3
+
+
+@pytest.mark.parametrize("V", [8000, 8003, 640, 100])  # whole chunks, a tail after them, few chunks (plain topk)
+def test_top_k_of_rows_equals_topk(V):
+    """The beam's top-2K by chunk maxima gives torch.topk's values and indices (the oracle), also with
+    banned (-inf) tokens and a row whose best values all sit in one chunk."""
+    torch.manual_seed(V)
+    x = torch.randn(48, V).log_softmax(-1)
+    x[1, :V // 2] = float("-inf")
+    x[2, 5:13] = 10.0 + torch.arange(8.0)  # the 8 best in one chunk
+    x[3, -3:] = 20.0                        # and in the tail (ties: compared as values only)
+    for k in (1, 4, 8):
+        want = x.topk(k, dim=-1)
+        got = top_k_of_rows(x, k)
+        assert torch.equal(got[0], want.values)
+        assert torch.equal(x.gather(1, got[1]), want.values)  # the indices point at those values
+        rows = [r for r in range(48) if r != 3]
+        assert torch.equal(got[1][rows], want.indices[rows])
 
 
 def test_length_penalty_is_gnmt():

@@ -18,6 +18,30 @@ from ..model.transformer import DecoderOnly, EncoderDecoder, eval_mode
 from .processors import LogitsProcessor, top_k_top_p
 
 
+def top_k_of_rows(x: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)`` of a (rows, V) tensor, for a small ``k`` and a long V (a beam's 2K best tokens
+    of a vocabulary). The k largest values of a row lie in the k chunks (of ``chunk`` columns) with the
+    largest maxima — a value outside them would have k chunk maxima, k distinct values, above it — so
+    only those k·chunk candidates (and the columns after the last whole chunk) are ranked. Same values
+    as ``topk``, best first; among exactly equal values the index taken may differ, as it may between
+    ``topk`` implementations. Why: PyTorch's CPU ``topk`` over 256 × 8,000 logits took 1.4 ms, about 5%
+    of a Marian beam step; the chunk maxima are one cheap pass."""
+    R, V = x.shape
+    n = V // chunk
+    if n <= 2 * k:
+        return x.topk(k, dim=-1)
+    body = x[:, :n * chunk].view(R, n, chunk)                                    # (R, n, chunk), a view
+    blocks = body.amax(-1).topk(k, dim=-1).indices                              # (R, k) chunk numbers
+    rows = (blocks + torch.arange(R, device=x.device)[:, None] * n).view(-1)
+    cand = body.reshape(R * n, chunk).index_select(0, rows).view(R, k * chunk)
+    cols = (blocks[..., None] * chunk + torch.arange(chunk, device=x.device)).view(R, k * chunk)
+    if n * chunk < V:
+        cand = torch.cat([cand, x[:, n * chunk:]], 1)
+        cols = torch.cat([cols, torch.arange(n * chunk, V, device=x.device).expand(R, -1)], 1)
+    values, j = cand.topk(k, dim=-1)
+    return values, cols.gather(1, j)
+
+
 @dataclass
 class GenerationConfig:
     max_new_tokens: int | None = None  # None: source length + 50 (translation), 128 (LM)
@@ -215,11 +239,11 @@ class BeamSearch:
         cfg, K, B, step, device = self.cfg, self.K, self.B, self.step, self.scores.device
         logits = self.process(logits, self.seqs.tolist, step)
         # The group's 2K best continuations are among each beam's own 2K best tokens (a beam adds the
-        # same score to all its tokens), so only those get log-probabilities: no (B·K, V) log-softmax,
-        # no (B·K, V) sum of scores — two full passes over the vocabulary saved per step.
+        # same score to all its tokens), so only those are ranked: no (B·K, V) sum of scores, no top-2K
+        # over K·V. (log_softmax, one fused pass, is ~2.5× faster on CPU than ``best - logsumexp``, which
+        # PyTorch computes in four: 256 × 8,000 logits, 0.67 vs 1.69 ms.)
         W = min(2 * K, logits.shape[-1])
-        best, best_tok = logits.topk(W, dim=-1)                                   # (B·K, W)
-        logp = best - logits.logsumexp(-1, keepdim=True)                          # log-softmax of those
+        logp, best_tok = top_k_of_rows(logits.float().log_softmax(-1), W)         # (B·K, W) each
         cand = (self.scores.view(B * K, 1) + logp).view(B, K * W)
         top, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
         beam, tok = idx // W, best_tok.view(B, K * W).gather(1, idx)
