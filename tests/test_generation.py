@@ -107,6 +107,30 @@ def test_cache_follows_beam_reordering(positions):
         assert (step - full[:, 3]).abs().max() <= 1e-5
 
 
+def test_kv_cache_reorders_into_its_spare_buffers():
+    """KVCache.reorder writes the kept rows (and columns ``start:``) straight into the buffers of the
+    reorder before: two buffers take turns, no new ones while the rows fit; contents equal index_select
+    of what was there (the oracle), through appends, shrinking rows and a column cut."""
+    from attnlab.model.attention import KVCache
+    torch.manual_seed(0)
+    c = KVCache(capacity=12)
+    k, v = torch.randn(6, 2, 5, 4), torch.randn(6, 2, 5, 4)
+    c.append(k, v)
+    want_k, want_v = k, v
+    ptrs = []
+    for index, start in ((torch.tensor([5, 0, 0, 3, 2, 1]), 0), (torch.tensor([1, 1, 4, 0]), 0),
+                         (torch.tensor([3, 2, 0]), 2), (torch.tensor([0, 2]), 0)):
+        nk, nv = torch.randn(want_k.shape[0], 2, 1, 4), torch.randn(want_k.shape[0], 2, 1, 4)
+        c.append(nk, nv)
+        want_k, want_v = torch.cat([want_k, nk], 2), torch.cat([want_v, nv], 2)
+        c.reorder(index, start=start)
+        want_k, want_v = want_k[index][:, :, start:], want_v[index][:, :, start:]
+        assert c.length == want_k.shape[2]
+        assert torch.equal(c.k[:, :, :c.length], want_k) and torch.equal(c.v[:, :, :c.length], want_v)
+        ptrs.append(c.k.data_ptr())
+    assert len(set(ptrs[1:])) == 2 and ptrs[1] == ptrs[3]  # after the first, two buffers in turn
+
+
 def test_beam_one_equals_greedy_and_nbest_is_sorted():
     model = model_for("encoder-decoder", "sinusoidal")
     src = torch.randint(4, 50, (4, 6))
