@@ -585,9 +585,9 @@ class Engine(_EngineLoop):
         self._bufs = bufs
 
     def _make_room(self) -> None:
-        """A free column for the token the next step appends (the buffers grow by ROOM columns)."""
-        if self._bufs and not self._buffers_hold(len(self._rows), self._cache.length + 1) and self._buffers_hold(
-                len(self._rows), 0):
+        """A free column for the token the next step appends (the buffers grow by ROOM columns), in buffers
+        the cache lives in."""
+        if self._rows and not self._buffers_hold(len(self._rows), self._cache.length + 1):
             self._rebuild(len(self._rows), self._cache.length, like=self._cache)
 
     def _step(self) -> None:
@@ -632,13 +632,8 @@ class Engine(_EngineLoop):
             self._reset()
             return
         dev = self._last.device
-        if not self._buffers_hold(len(self._rows), 0):  # the cache outgrew its buffers: copy what stays
-            index = torch.tensor(keep, device=dev)
-            self._mask = _keep_rows(self._cache, self._mask, index)
-            self._last = self._last.index_select(0, index)
-            self._rows = [self._rows[i] for i in keep]
-            self._bufs = []
-            return
+        if not self._buffers_hold(len(self._rows), 0):  # the cache left its buffers (an append outgrew them)
+            self._rebuild(len(self._rows), self._cache.length, like=self._cache)
         # the last rows that stay move into the holes below them: one row copied per hole
         B = len(keep)
         holes = [i for i in range(B) if self._rows[i].cancelled]
