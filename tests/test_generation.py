@@ -7,7 +7,7 @@ import torch
 
 from attnlab import TransformerConfig, accel, build_model
 from attnlab.generate import GenerationConfig, generate
-from attnlab.generate.search import beam_search, length_penalty, top_k_of_rows
+from attnlab.generate.search import beam_search, length_penalty, log_softmax_, top_k_of_rows
 
 POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "none"]
 
@@ -237,6 +237,22 @@ def test_top_k_of_rows_equals_topk(V):
         assert torch.equal(x.gather(1, got[1]), want.values)  # the indices point at those values
         rows = [r for r in range(48) if r != 3]
         assert torch.equal(got[1][rows], want.indices[rows])
+
+
+def test_log_softmax_in_place_equals_log_softmax():
+    """The beam step's log-probabilities, written over its logits, equal ``log_softmax`` (the oracle):
+    with banned (-inf) tokens, a huge logit, and a non-contiguous input (which gets a new tensor)."""
+    torch.manual_seed(0)
+    x = torch.randn(37, 1000) * 5
+    x[0, :500] = float("-inf")
+    x[1, 7] = 1e4
+    want = x.log_softmax(-1)
+    y = x.clone()
+    got = log_softmax_(y)
+    assert torch.equal(got, want) and got.data_ptr() == y.data_ptr()
+    t = torch.empty(1000, 37).t().copy_(x)  # the same values, column-major
+    got = log_softmax_(t)
+    assert torch.equal(got, want) and got.data_ptr() != t.data_ptr() and torch.equal(t, x)
 
 
 def test_length_penalty_is_gnmt():
