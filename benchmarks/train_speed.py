@@ -21,6 +21,7 @@ the ms/iter reported is the median after 10 warm-up iterations, the sides taking
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2]
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3]
+    python benchmarks/train_speed.py --shapes none --corpus [PAIRS.tsv] [--pairs 1024] [--rounds 3]
 """
 
 import argparse
@@ -64,12 +65,14 @@ class TorchSeq2Seq(nn.Module):
         self.out = nn.Linear(d, VOCAB)
         self.scale = math.sqrt(d)
 
-    def forward(self, src, tgt):
+    def forward(self, src, tgt, src_pad=None, tgt_pad=None):
+        """``src_pad``/``tgt_pad``: (B, T) bool, True at padding (the tutorial's key padding masks)."""
         T = tgt.shape[1]
         x = self.src_emb(src) * self.scale + self.pe[: src.shape[1]]
         y = self.tgt_emb(tgt) * self.scale + self.pe[:T]
         causal = nn.Transformer.generate_square_subsequent_mask(T)
-        return self.out(self.tf(x, y, tgt_mask=causal, tgt_is_causal=True))
+        return self.out(self.tf(x, y, tgt_mask=causal, tgt_is_causal=True, src_key_padding_mask=src_pad,
+                                tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad))
 
 
 def matmul_peak(dtype, n: int = 2048) -> float:
@@ -102,7 +105,8 @@ def time_steps(step, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
+def build_models(s) -> dict:
+    """The three sides, in training mode: HF Marian, attnlab's ``from_hf`` copy of it, the tutorial model."""
     import transformers
     torch.manual_seed(0)
     cfg = transformers.MarianConfig(vocab_size=VOCAB, d_model=s["d"], encoder_layers=s["layers"],
@@ -111,7 +115,17 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
                                     max_position_embeddings=512, pad_token_id=0, eos_token_id=2,
                                     decoder_start_token_id=1, scale_embedding=True)
     hf = transformers.MarianMTModel(cfg).train()
-    models = {"attnlab": from_hf(hf).train(), "hf_marian": hf, "torch_nn_transformer": TorchSeq2Seq(s).train()}
+    return {"attnlab": from_hf(hf).train(), "hf_marian": hf, "torch_nn_transformer": TorchSeq2Seq(s).train()}
+
+
+def make_optimizer(key, model):
+    # each side's own optimizer: attnlab's trainer takes the fused AdamW kernel where it exists
+    # (train.trainer.make_adamw); HF's Trainer and the PyTorch tutorial use torch's default (foreach)
+    return (make_adamw if key == "attnlab" else torch.optim.AdamW)(model.parameters(), lr=1e-4)
+
+
+def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
+    models = build_models(s)
     src = torch.randint(4, VOCAB, (s["batch"], s["length"]))
     tgt_in, labels = torch.randint(4, VOCAB, (s["batch"], s["length"])), torch.randint(4, VOCAB, (s["batch"], s["length"]))
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
@@ -119,9 +133,7 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
                 "hf_marian": lambda m: m(input_ids=src, decoder_input_ids=tgt_in).logits}
     steps, rss = {}, {}
     for key, model in models.items():
-        # each side's own optimizer: attnlab's trainer takes the fused AdamW kernel where it exists
-        # (train.trainer.make_adamw); HF's Trainer and the PyTorch tutorial use torch's default (foreach)
-        opt = (make_adamw if key == "attnlab" else torch.optim.AdamW)(model.parameters(), lr=1e-4)
+        opt = make_optimizer(key, model)
 
         def step(key=key, model=model, opt=opt):
             opt.zero_grad(set_to_none=True)
@@ -148,6 +160,93 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
                     "ms_per_step_by_round": [round(x * 1e3, 1) for x in times[key]]}
     out["attnlab_vs_hf"] = round(out["hf_marian"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
     out["attnlab_vs_torch"] = round(out["torch_nn_transformer"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
+    return out
+
+
+# -- an epoch of real pairs, each side batching the way its tool does -------------------------------
+
+def corpus_ids(path: str, pairs: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``pairs`` pairs drawn at random (seed 0) from a SOURCE<TAB>TARGET file (the shipped one is sorted
+    alphabetically), as ids of a joint BPE of VOCAB tokens trained on the file: sources end in EOS, targets
+    are BOS … EOS (what ``attnlab train --task translation`` feeds)."""
+    import random
+    from attnlab.data.readers import read_tsv_pairs
+    from attnlab.data.tokenizer import train_tokenizer
+    from attnlab.demo import corpus_dir
+    data = read_tsv_pairs(corpus_dir() / "train.tsv.gz" if path == "shipped" else path)
+    tok = train_tokenizer(data.src + data.tgt, VOCAB)
+    pick = random.Random(0).sample(range(len(data.src)), min(pairs, len(data.src)))
+    return (tok.encode_batch([data.src[i] for i in pick], eos=True),
+            tok.encode_batch([data.tgt[i] for i in pick], bos=True, eos=True))
+
+
+def corpus_batches(src, tgt, batch: int) -> dict[str, list[list[int]]]:
+    """Each tool's batches of the same pairs. HF's Trainer: random batches of ``batch`` pairs (its default)
+    or, with ``group_by_length``, its ``LengthGroupedSampler`` (megabatches of 50 batches sorted by source
+    length); the PyTorch tutorial: random batches; attnlab: its trainer's length buckets
+    (``TokenBatchSampler``) capped at the same ``batch`` pairs and no token budget, so every side makes the
+    same number of updates of the same size in pairs, and only which pairs share a batch differs."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+    from attnlab.data.batching import TokenBatchSampler
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(len(src), generator=g).tolist()
+    random_batches = [order[i:i + batch] for i in range(0, len(order), batch)]
+    grouped = list(LengthGroupedSampler(batch, lengths=[len(x) for x in src], generator=g))
+    tokens = TokenBatchSampler([len(x) for x in src], [len(t) for t in tgt], max_tokens=10 ** 9, seed=0,
+                               max_sentences=batch).batches(0)
+    return {"attnlab": tokens, "hf_marian": random_batches, "hf_marian_group_by_length":
+            [grouped[i:i + batch] for i in range(0, len(grouped), batch)], "torch_nn_transformer": random_batches}
+
+
+def run_corpus(s, args, bf16: bool) -> dict:
+    """One epoch over the same pairs per side (real target tokens per second), the sides in turns."""
+    from attnlab.data.batching import collate_pairs
+    src, tgt = corpus_ids(args.corpus, args.pairs)
+    plans = corpus_batches(src, tgt, s["batch"])
+    built = build_models(s)
+    models = {"attnlab": built["attnlab"], "hf_marian": built["hf_marian"],
+              "hf_marian_group_by_length": build_models(s)["hf_marian"], "torch_nn_transformer": built["torch_nn_transformer"]}
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)  # ignore_index -100, HF's label padding
+    data = {key: [collate_pairs([src[i] for i in b], [tgt[i] for i in b], 0) for b in plan] for key, plan in plans.items()}
+
+    def step(key, model, opt, batch):
+        src_ids, src_mask, tgt_in, labels = batch
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if key == "attnlab":
+                logits = model(src_ids, tgt_in, src_mask)
+            elif key == "torch_nn_transformer":
+                logits = model(src_ids, tgt_in, ~src_mask, tgt_in == 0)
+            else:
+                logits = model(input_ids=src_ids, attention_mask=src_mask, decoder_input_ids=tgt_in).logits
+        if key == "attnlab":
+            label_smoothed_loss(logits, labels, 0, 0.1)[0].backward()
+        else:
+            loss_fn(logits.float().reshape(-1, VOCAB), labels.masked_fill(labels == 0, -100).reshape(-1)).backward()
+        opt.step()
+
+    opts = {key: make_optimizer(key, m) for key, m in models.items()}
+    for key in models:  # warm-up: one step on each side's first batch
+        step(key, models[key], opts[key], data[key][0])
+    times = {key: [] for key in models}
+    for _ in range(args.rounds):
+        for key, model in models.items():
+            t0 = time.perf_counter()
+            for batch in data[key]:
+                step(key, model, opts[key], batch)
+            times[key].append(time.perf_counter() - t0)
+    real = sum(len(t) - 1 for t in tgt)  # labels: the target after BOS, EOS included
+    out = {"pairs": len(src), "real_target_tokens": real,
+           "mean_src_len": round(statistics.mean(len(x) for x in src), 1),
+           "mean_tgt_len": round(statistics.mean(len(t) - 1 for t in tgt), 1)}
+    for key in models:
+        t = statistics.median(times[key])
+        padded = sum(b[0].numel() + b[2].numel() for b in data[key])
+        out[key] = {"epoch_s": round(t, 2), "real_tgt_tokens_per_s": round(real / t), "batches": len(data[key]),
+                    "padding_share": round(1 - (sum(len(x) for x in src) + real) / padded, 3),
+                    "epoch_s_by_round": [round(x, 2) for x in times[key]]}
+    for key in ("hf_marian", "hf_marian_group_by_length", "torch_nn_transformer"):
+        out[f"attnlab_vs_{key}"] = round(out[key]["epoch_s"] / out["attnlab"]["epoch_s"], 2)
     return out
 
 
@@ -245,6 +344,11 @@ def main():
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"),
                     help="--nanogpt: folder with Tiny Shakespeare's input.txt(.gz)")
     ap.add_argument("--workdir", default="runs/train_speed")
+    ap.add_argument("--corpus", default=None, nargs="?", const="shipped",
+                    help="also time an epoch of real pairs (a SOURCE<TAB>TARGET file; bare: the shipped Tatoeba "
+                         "en-zh pairs) on the small shape, each side batching as its tool does")
+    ap.add_argument("--pairs", type=int, default=1024, help="--corpus: how many pairs (drawn at random, seed 0)")
+    ap.add_argument("--corpus-shape", default="small", help="--corpus: the model shape (tiny: the smoke test's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -259,6 +363,10 @@ def main():
             key = f"{name}_{'bf16' if bf16 else 'fp32'}"
             results[key] = run_shape(name, SHAPES[name], args, bf16, peak)
             print(key, json.dumps(results[key]), flush=True)
+    for bf16 in dtypes if args.corpus else []:
+        key = f"corpus_{'bf16' if bf16 else 'fp32'}"
+        results[key] = run_corpus(SHAPES[args.corpus_shape], args, bf16)
+        print(key, json.dumps(results[key]), flush=True)
     if args.nanogpt:
         results["nanogpt_shakespeare"] = nanogpt_step(args)
         print("nanogpt_shakespeare", json.dumps(results["nanogpt_shakespeare"]), flush=True)

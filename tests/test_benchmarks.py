@@ -22,6 +22,23 @@ def test_train_speed_runs_one_step():
     assert row["attnlab"]["ms_per_step"] > 0 and row["attnlab_vs_hf"] > 0 and r["matmul_peak_GFLOPs_fp32"] > 0
 
 
+def test_train_speed_corpus_epoch_runs():
+    """train_speed.py --corpus: an epoch of the shipped pairs per side, the same number of batches of the
+    same size; attnlab's length buckets leave less padding than HF's random batches (sorting cannot add any)."""
+    pytest.importorskip("transformers")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--corpus",
+                          "--corpus-shape", "tiny", "--pairs", "64", "--rounds", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])["corpus_fp32"]
+    sides = ("attnlab", "hf_marian", "hf_marian_group_by_length", "torch_nn_transformer")
+    assert r["pairs"] == 64 and {r[s]["batches"] for s in sides} == {16}  # 64 pairs in batches of 4
+    assert r["attnlab"]["padding_share"] < r["hf_marian"]["padding_share"] == r["torch_nn_transformer"]["padding_share"]
+    for s in sides:
+        assert r[s]["epoch_s"] > 0 and r[s]["real_tgt_tokens_per_s"] > 0
+    assert r["attnlab_vs_hf_marian"] == round(r["hf_marian"]["epoch_s"] / r["attnlab"]["epoch_s"], 2)
+
+
 def test_serve_load_smoke(tmp_path):
     """benchmarks/serve_load.py --smoke: attnlab serve on a tiny model, 1 and 2 clients, a row per level."""
     for module in ("fastapi", "uvicorn", "httpx"):
