@@ -203,9 +203,9 @@ def run_corpus(s, args, bf16: bool) -> dict:
     from attnlab.data.batching import collate_pairs
     src, tgt = corpus_ids(args.corpus, args.pairs)
     plans = corpus_batches(src, tgt, s["batch"])
-    built = build_models(s)
-    models = {"attnlab": built["attnlab"], "hf_marian": built["hf_marian"],
-              "hf_marian_group_by_length": build_models(s)["hf_marian"], "torch_nn_transformer": built["torch_nn_transformer"]}
+    import copy
+    models = build_models(s)
+    models["hf_marian_group_by_length"] = copy.deepcopy(models["hf_marian"])  # the same weights, its own optimizer
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)  # ignore_index -100, HF's label padding
     data = {key: [collate_pairs([src[i] for i in b], [tgt[i] for i in b], 0) for b in plan] for key, plan in plans.items()}
 
