@@ -4,6 +4,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# the suite runs its files in this many processes (pytest-xdist); each takes cores/JOBS torch threads, at most 2
+JOBS   ?= 2
 PIP    := $(VENV)/bin/python -m pip
 STAMP  := $(VENV)/.installed
 
@@ -24,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/attnlab demo $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(JOBS) --dist loadfile $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -1,5 +1,5 @@
 """A table of bad inputs (issue #10): every row runs the ``attnlab`` console script's ``main`` in a
-process of its own (forked from a server that imported it once; see ``run_forked``) on one
+process of its own (forked from a server that imported it once; see ``forked_cli``) on one
 broken file, flag or model directory and checks that the message names what is wrong and where,
 the exit status (1 for a user error, 2 for a usage error), that stderr holds one line and no
 traceback or "internal error", and that nothing already on disk was changed.
@@ -28,9 +28,8 @@ from safetensors.torch import load_file
 
 from attnlab.demo import corpus_dir
 
-ATTNLAB = str(Path(sys.executable).with_name("attnlab"))
-if not Path(ATTNLAB).exists():  # pragma: no cover - a non-venv install
-    ATTNLAB = shutil.which("attnlab") or ATTNLAB
+from forked_cli import ATTNLAB, run as run_forked  # the table's rows: main() in a forked process (see there)
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 TIMEOUT = 180
 QUIET = ["--no-progress", "--threads", "1", "--eval-every", "0", "--save-every", "0"]
@@ -40,60 +39,6 @@ FAST = [*QUIET, "--max-steps", "1"]
 def run(argv, timeout=TIMEOUT, **kw):
     return subprocess.run([ATTNLAB, *map(str, argv)], capture_output=True, text=True, env=ENV, timeout=timeout,
                           stdin=subprocess.DEVNULL, **kw)
-
-
-# The table's rows run the console script's ``main`` in processes forked from a server that has imported
-# attnlab (and torch) once, with ENV: a new interpreter per row spent ~1.7 of its ~2 s importing torch.
-# A forked row is still a process of its own: its exit status, its stderr (an uncaught exception prints
-# its traceback there) and what it writes are the console script's. The server runs no torch op, so
-# no OpenMP threads exist when it forks. Ctrl-C, the read-only folder and the documented commands
-# (tests/test_docs.py) still run the installed script itself.
-
-def _start_row_server():
-    import multiprocessing.forkserver
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["attnlab.cli"])
-    saved = dict(os.environ)
-    os.environ.update({k: ENV[k] for k in ("OMP_NUM_THREADS", "PYTHONWARNINGS")})
-    try:
-        multiprocessing.forkserver.ensure_running()  # the server starts with ENV's threads and warnings
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return ctx
-
-
-def _row_main(argv: list[str], out: str, err: str) -> None:
-    """In the forked row: stdin from /dev/null, stdout and stderr into files, then the console script."""
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.stdin = open(0, closefd=False)
-    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
-    sys.argv = [ATTNLAB, *argv]
-    from attnlab.cli import main
-    code = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(code)
-
-
-def run_forked(ctx, argv, timeout=TIMEOUT) -> subprocess.CompletedProcess:
-    import tempfile
-    argv = [str(a) for a in argv]
-    with tempfile.TemporaryDirectory() as d:
-        out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        p = ctx.Process(target=_row_main, args=(argv, out, err))
-        p.start()
-        p.join(timeout)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
-            raise subprocess.TimeoutExpired([ATTNLAB, *argv], timeout)
-        read = lambda f: Path(f).read_text(encoding="utf-8", errors="replace") if os.path.exists(f) else ""
-        return subprocess.CompletedProcess([ATTNLAB, *argv], p.exitcode, read(out), read(err))
 
 
 # -- the shared tiny models ---------------------------------------------------------------------------
@@ -542,14 +487,13 @@ def outcomes(request, models, tmp_path_factory):
     selected = {item.callspec.params["build"]: item.callspec.id for item in request.session.items
                 if getattr(item, "originalname", "") == "test_bad_input"}
     shared = [models.data, models.mt, models.lm, models.cls]
-    ctx = _start_row_server()
 
     def one(build, name):
         try:
             t = tmp_path_factory.mktemp(name)
             argv, expect = build(t, models)
             before = snapshot(t, *shared)
-            result = run_forked(ctx, argv)
+            result = run_forked(argv, env=ENV, timeout=TIMEOUT)
             return Outcome(argv, expect, result, before, snapshot(t, *shared))
         except BaseException as e:  # e.g. pytest.skip from a builder: raised again by that row alone
             return e

@@ -1,7 +1,8 @@
 """The documentation is executable: what README.md and docs/*.md show is what this file runs.
 
-Every command line in a fenced block of the docs runs here, through the installed ``attnlab``
-console script as a subprocess, in a scratch folder that holds small files under the names the
+Every command line in a fenced block of the docs runs here, as the installed ``attnlab`` console
+script's ``main`` in a process of its own (forked from a server that imported attnlab once:
+``forked_cli``; ``test_a_forked_command_is_the_console_script`` holds the two equal), in a scratch folder that holds small files under the names the
 docs use (train.tsv.gz, sst2/train.tsv, input.txt, …). Long runs get small budgets appended
 (``--max-steps 2``, ``--max-len 6``, the demo's ``--minutes 0.1 --test-sentences 10``); the documented
 flags themselves are passed unchanged, so a renamed or removed flag fails here. Model directories
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+import forked_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CORPUS = ROOT / "src" / "attnlab" / "data" / "corpora" / "tatoeba_cmn_eng"
@@ -33,9 +36,12 @@ BIN = Path(sys.executable).parent
 ATTNLAB = shutil.which("attnlab", path=str(BIN)) or shutil.which("attnlab")
 PROGRAMS = ("attnlab", "make", "pip", "python", "torchrun", "echo")
 
+# The threads conftest.py gave this process (1 where `make test` runs two test processes on 2 cores):
+# a command with more would fight the other test process's OpenMP workers for the cores.
+THREADS = str(__import__("torch").get_num_threads())
 # Small budgets appended per sub-command (later flags win in argparse, so documented values are overridden).
 BUDGET = {
-    "train": ["--max-steps", "2", "--no-progress", "--threads", "2"],
+    "train": ["--max-steps", "2", "--no-progress", "--threads", THREADS],
     "generate": ["--max-len", "6"],
     "translate": ["--max-len", "8"],
     "evaluate": ["--max-len", "8"],
@@ -186,7 +192,7 @@ class Runner:
 
     def __init__(self, ws: Path):
         self.ws, self.done = ws, {}
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1",
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": THREADS, "HF_HUB_OFFLINE": "1",
                     "TRANSFORMERS_OFFLINE": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def producer(self, run_dir: str) -> Doc | None:
@@ -207,6 +213,11 @@ class Runner:
             self.needs(doc.text)
             self.done[key] = check_command(doc, self)
         return self.done[key]
+
+    def attnlab(self, args: list[str], stdin: str | None = None, env: dict | None = None,
+                timeout: int = 300) -> subprocess.CompletedProcess:
+        """``attnlab ARGS`` in the scratch folder (forked: see ``forked_cli``)."""
+        return forked_cli.run(args, cwd=self.ws, stdin=stdin, env={**self.env, **(env or {})}, timeout=timeout)
 
     def call(self, argv: list[str], stdin: str | None = None, env: dict | None = None,
              timeout: int = 300) -> subprocess.CompletedProcess:
@@ -255,7 +266,7 @@ def check_command(doc: Doc, runner: Runner) -> subprocess.CompletedProcess | Non
     assert prog == "attnlab", doc
     command = args[0]
     if command == "serve":
-        return _ok(runner.call([ATTNLAB, "--dry-run", *args]), doc)
+        return _ok(runner.attnlab(["--dry-run", *args]), doc)
     env = {}
     if command == "demo":
         preset = args[args.index("--preset"):args.index("--preset") + 2] if "--preset" in args else []
@@ -271,12 +282,12 @@ def check_command(doc: Doc, runner: Runner) -> subprocess.CompletedProcess | Non
         args += ["--max-steps", "4"]
     errors = [l for l in doc.shown.splitlines() if ": error: " in l]
     if errors:  # the docs show this command failing: it must fail with the line shown, and no traceback
-        res = runner.call([ATTNLAB, *args], stdin=stdin, env=env)
+        res = runner.attnlab(args, stdin=stdin, env=env)
         assert res.returncode in (1, 2) and "Traceback" not in res.stderr, f"{doc}\n{res.stderr}"
         for line in errors:
             assert line in res.stderr.splitlines(), f"{doc}\nthe docs show: {line}\nattnlab prints: {res.stderr}"
         return res
-    res = _ok(runner.call([ATTNLAB, *args], stdin=stdin, env=env), doc)
+    res = _ok(runner.attnlab(args, stdin=stdin, env=env), doc)
     if command == "demo":
         assert "sacreBLEU" in res.stdout and (runner.ws / out / "attention.png").exists()
     if command == "train":
@@ -342,6 +353,22 @@ def test_shown_output_is_what_the_command_prints(runner):
     printed = [l.rstrip() for l in res.stdout.splitlines()]
     for line in shown:
         assert line in printed, f"README shows {line!r}, attnlab prints:\n" + "\n".join(printed)
+
+
+@pytest.mark.parametrize("argv, stdin", [
+    (["params", "paper-base"], None),                         # a success: the table
+    (["train", "--train", "missing.tsv", "--out", "runs/x"], None),  # a user error: exit 1, one line
+    (["translate", "--beam", "many"], None),                  # a usage error: exit 2, argparse's lines
+    (["generate", "--model", "runs/shakespeare", "--prompt", "ROMEO:", "--max-len", "4"], None),
+    (["classify", "--model", "runs/sst2"], "a gorgeous, witty, seductive movie\n"),  # stdin
+])
+def test_a_forked_command_is_the_console_script(argv, stdin, runner):
+    """What the rows above run (main() in a forked process) prints and exits as the console script does."""
+    runner.needs(" ".join(argv))  # the model directories it reads, made by their documented train commands
+    forked = runner.attnlab(argv, stdin=stdin)
+    script = runner.call([ATTNLAB, *argv], stdin=stdin)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (script.returncode, script.stdout, script.stderr)
+    assert forked.returncode == (0 if argv[0] in ("params", "generate", "classify") else 1 if argv[0] == "train" else 2)
 
 
 def test_not_run_reasons_are_used():

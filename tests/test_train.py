@@ -170,7 +170,10 @@ def test_two_processes_stop_together_on_early_stopping_and_time_budget(sample, t
                           "29519", "-m", "attnlab", "train", "--out", str(tmp_path / "two"), "--reuse-tokenizer", *common],
                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=180)
     assert two.returncode == 0, two.stderr[-3000:]
-    result = json.loads([l for l in two.stdout.splitlines() if l.startswith("{")][0])
+    reports = [l for l in two.stdout.splitlines() if l.startswith("{")]
+    assert len(reports) == 1 and two.stdout.count("model saved in") == 1, two.stdout  # the main process reports
+    result = json.loads(reports[0])
+    assert result["best"] is not None  # the main process's report: it evaluated
     assert result["stop"] in ("early stopping", "time budget") and result["steps"] < 200
 
 

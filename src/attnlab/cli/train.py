@@ -130,6 +130,8 @@ def run(args) -> int:
     trainer = Trainer(train_args)
     trainer.setup()
     result = trainer.train()
+    if not trainer.is_main:  # under torchrun every process trains; one reports (the main one: it holds `best`)
+        return 130 if result["stop"] == "interrupted" else 0
     print(json.dumps(result))
     if result["stop"] == "interrupted":
         print(f"interrupted at step {result['steps']}: checkpoint saved in {train_args.out}; "
