@@ -5,7 +5,8 @@ script's ``main`` in a process of its own (forked from a server that imported at
 ``forked_cli``; ``test_a_forked_command_is_the_console_script`` holds the two equal), in a scratch
 folder that holds small files under the names the docs use (train.tsv.gz, sst2/train.tsv, input.txt,
 …). Long runs get small budgets appended (``--max-steps 2``, ``--max-len 6``, the demo's
-``--minutes 0.1 --test-sentences 10``); the documented flags themselves are passed unchanged, so a renamed or removed flag fails here. Model directories
+``--minutes 0.1 --test-sentences 10``); the documented flags themselves are passed unchanged, so a
+renamed or removed flag fails here. Model directories
 (runs/enzh, runs/sst2, …) are made by the documented train command that writes them. Every Python
 block of the README runs through the interpreter; a ``>>>`` block must print what it shows. A command
 that cannot run here (it needs the network, a GPU, or hours) is checked with ``attnlab --dry-run`` or
