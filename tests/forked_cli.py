@@ -4,9 +4,9 @@ Why: a new interpreter per command spends ~1.5 of its ~2 s importing torch, and 
 the executable docs run ~150 commands. A forked command is still a process of its own, given its own
 working directory, environment, threads, stdin, stdout and stderr files and ``sys.argv``: its exit
 status (an uncaught exception prints its traceback on stderr and exits 1, as Python does), what it
-prints and what it writes are the console script's (``test_docs.py::test_a_forked_command_is_the_console_script``
-compares the two on a success, a user error, a usage error and a piped stdin). The server runs no torch
-op, so no OpenMP threads exist when it forks. Used by tests/test_bad_inputs.py and tests/test_docs.py.
+prints and what it writes are the console script's (``test_a_forked_command_is_the_console_script`` in
+test_docs.py compares the two on a success, a user error, a usage error, a generation and a piped
+stdin). The server runs no torch op, so no OpenMP threads exist when it forks. Used by tests/test_bad_inputs.py and tests/test_docs.py.
 """
 
 from __future__ import annotations

@@ -27,19 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 import forked_cli
+from forked_cli import ATTNLAB
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CORPUS = ROOT / "src" / "attnlab" / "data" / "corpora" / "tatoeba_cmn_eng"
 BIN = Path(sys.executable).parent
-ATTNLAB = shutil.which("attnlab", path=str(BIN)) or shutil.which("attnlab")
 PROGRAMS = ("attnlab", "make", "pip", "python", "torchrun", "echo")
 
 # The threads conftest.py gave this process (1 where `make test` runs two test processes on 2 cores):
 # a command with more would fight the other test process's OpenMP workers for the cores.
-THREADS = str(__import__("torch").get_num_threads())
+THREADS = str(torch.get_num_threads())
 # Small budgets appended per sub-command (later flags win in argparse, so documented values are overridden).
 BUDGET = {
     "train": ["--max-steps", "2", "--no-progress", "--threads", THREADS],

@@ -130,14 +130,14 @@ def run(args) -> int:
     trainer = Trainer(train_args)
     trainer.setup()
     result = trainer.train()
-    if not trainer.is_main:  # under torchrun every process trains; one reports (the main one: it holds `best`)
-        return 130 if result["stop"] == "interrupted" else 0
-    print(json.dumps(result))
+    # under torchrun every process trains; one reports (the main one: it holds `best`)
+    report = print if trainer.is_main else (lambda *a, **k: None)
+    report(json.dumps(result))
     if result["stop"] == "interrupted":
-        print(f"interrupted at step {result['steps']}: checkpoint saved in {train_args.out}; "
-              f"continue with: attnlab train --resume {train_args.out}", file=sys.stderr)
+        report(f"interrupted at step {result['steps']}: checkpoint saved in {train_args.out}; "
+               f"continue with: attnlab train --resume {train_args.out}", file=sys.stderr)
         return 130
-    print(f"model saved in {train_args.out}")
+    report(f"model saved in {train_args.out}")
     return 0
 
 
