@@ -20,7 +20,6 @@ import gzip
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
