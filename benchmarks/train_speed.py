@@ -7,7 +7,7 @@ d512/8 heads/6+6/d_ff 2048, 32 × 32. The sides take turns (``--rounds``, each t
 round is reported). Prints target tokens/s, ratios, the growth of the process's RSS high-water mark (order-dependent: a
 model that needs less than an earlier one shows 0) and the model FLOP utilisation against a matmul
 peak measured in the same run. Each side trains the way its own tool does: attnlab with its trainer's
-loss (a chunked cross-entropy that never makes an fp32 copy of the logits), fused AdamW, and its CPU
+loss (the output projection fused with the cross-entropy: no logits tensor), fused AdamW, and its CPU
 dropout; HF and the tutorial with ``nn.CrossEntropyLoss(label_smoothing=0.1)`` on fp32 logits and
 torch's default AdamW.
 
@@ -43,7 +43,7 @@ from torch import nn
 
 from attnlab import accel
 from attnlab.interop.hf import from_hf
-from attnlab.train.tasks.base import label_smoothed_loss
+from attnlab.train.tasks.base import output_loss
 from attnlab.train.trainer import make_adamw
 
 SHAPES = {"small": dict(d=256, heads=4, layers=3, ff=1024, batch=64, length=24),
@@ -129,7 +129,7 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
     src = torch.randint(4, VOCAB, (s["batch"], s["length"]))
     tgt_in, labels = torch.randint(4, VOCAB, (s["batch"], s["length"])), torch.randint(4, VOCAB, (s["batch"], s["length"]))
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
-    forwards = {"attnlab": lambda m: m(src, tgt_in), "torch_nn_transformer": lambda m: m(src, tgt_in),
+    forwards = {"torch_nn_transformer": lambda m: m(src, tgt_in),
                 "hf_marian": lambda m: m(input_ids=src, decoder_input_ids=tgt_in).logits}
     steps, rss = {}, {}
     for key, model in models.items():
@@ -138,11 +138,13 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
         def step(key=key, model=model, opt=opt):
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                logits = forwards[key](model)
-            if key == "attnlab":  # the trainer's loss (train.tasks.base): chunked, no fp32 copy of the logits
-                label_smoothed_loss(logits, labels, None, 0.1)[0].backward()
-            else:  # label-smoothed cross-entropy on fp32 logits, as HF's Trainer and the tutorial compute it
-                loss_fn(logits.float().reshape(-1, VOCAB), labels.reshape(-1)).backward()
+                if key == "attnlab":  # the trainer's loss (train.tasks.base): projection and loss fused, no logits
+                    loss = output_loss(model, model(src, tgt_in, hidden_only=True), labels, None, 0.1)[0]
+                else:
+                    logits = forwards[key](model)
+            if key != "attnlab":  # label-smoothed cross-entropy on fp32 logits, as HF's Trainer and the tutorial
+                loss = loss_fn(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+            loss.backward()
             opt.step()
         steps[key] = step
     times = {key: [] for key in models}
@@ -214,15 +216,14 @@ def run_corpus(s, args, bf16: bool) -> dict:
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if key == "attnlab":
-                logits = model(src_ids, tgt_in, src_mask)
+                loss = output_loss(model, model(src_ids, tgt_in, src_mask, hidden_only=True), labels, 0, 0.1)[0]
             elif key == "torch_nn_transformer":
                 logits = model(src_ids, tgt_in, ~src_mask, tgt_in == 0)
             else:
                 logits = model(input_ids=src_ids, attention_mask=src_mask, decoder_input_ids=tgt_in).logits
-        if key == "attnlab":
-            label_smoothed_loss(logits, labels, 0, 0.1)[0].backward()
-        else:
-            loss_fn(logits.float().reshape(-1, VOCAB), labels.masked_fill(labels == 0, -100).reshape(-1)).backward()
+        if key != "attnlab":
+            loss = loss_fn(logits.float().reshape(-1, VOCAB), labels.masked_fill(labels == 0, -100).reshape(-1))
+        loss.backward()
         opt.step()
 
     opts = {key: make_optimizer(key, m) for key, m in models.items()}

@@ -39,6 +39,15 @@ def test_train_speed_corpus_epoch_runs():
     assert r["attnlab_vs_hf_marian"] == round(r["hf_marian"]["epoch_s"] / r["attnlab"]["epoch_s"], 2)
 
 
+def test_loss_memory_runs_one_step():
+    """benchmarks/loss_memory.py on its tiny shape: both sides, each in its own process, the same loss."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_memory.py"), "--shapes", "tiny", "--steps", "1",
+                          "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    row = json.loads(res.stdout.strip().splitlines()[-1])["tiny"]
+    assert row["same_loss"] and row["attnlab"]["ms"] > 0 and row["torch"]["peak_MB"] >= 0
+
+
 def test_serve_load_smoke(tmp_path):
     """benchmarks/serve_load.py --smoke: attnlab serve on a tiny model, 1 and 2 clients, a row per level."""
     for module in ("fastapi", "uvicorn", "httpx"):

@@ -245,3 +245,62 @@ def test_chunked_cross_entropy_equals_torch(dtype):
     assert n == 400 and torch.allclose(loss, ref, atol=1e-5, rtol=1e-6)
     assert got.dtype == dtype and torch.allclose(got.float(), want.float(), atol=1e-7 if dtype == torch.float32 else 1e-4)
     assert not got[:, 100:].any()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_output_loss_equals_the_projection_and_torch(bias, monkeypatch):
+    """The trainer's output projection + loss in one function (``LinearCrossEntropy``, four chunks
+    here) against F.linear and F.cross_entropy: the same loss and the same gradients of the hidden
+    states, the weight and the bias, with label smoothing, padding ignored and an upstream gradient."""
+    from attnlab.train.tasks.base import LinearCrossEntropy
+    monkeypatch.setattr(LinearCrossEntropy, "MIN_ROWS", 1)
+    monkeypatch.setattr(LinearCrossEntropy, "CHUNK", 50 * 999)  # 50 rows a chunk, a short tail
+    torch.manual_seed(0)
+    h = torch.randn(170, 48, requires_grad=True)
+    w = (torch.randn(999, 48) * 0.3).requires_grad_()
+    b = (torch.randn(999) if bias else torch.zeros(0)).requires_grad_()
+    labels = torch.randint(1, 999, (170,))
+    labels[::7] = 0  # padding
+    loss = LinearCrossEntropy.apply(h, w, b if bias else None, labels, 0, 0.1)
+    got = torch.autograd.grad(loss * 3.0, [h, w, b] if bias else [h, w])
+    ref = F.cross_entropy(F.linear(h, w, b if bias else None), labels, ignore_index=0, label_smoothing=0.1)
+    want = torch.autograd.grad(ref * 3.0, [h, w, b] if bias else [h, w])
+    assert torch.allclose(loss, ref, atol=1e-5, rtol=1e-6)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype and torch.allclose(g, r, atol=1e-6, rtol=1e-4)
+    assert not got[0][::7].any()  # padded rows: no gradient
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_training_loss_through_the_hidden_states_equals_the_logits_loss(bf16, monkeypatch):
+    """``output_loss`` on a model's hidden states (tied embedding, T5's output rescaling, bf16
+    autocast) against ``label_smoothed_loss`` on the same model's logits: the same loss and the same
+    gradient for every parameter (the reference: PyTorch's own cross-entropy, the logits being small).
+    The fused loss takes its 24 rows 7 at a time here."""
+    from attnlab.config import TransformerConfig
+    from attnlab.model import build_model
+    from attnlab.train.tasks.base import LinearCrossEntropy, label_smoothed_loss, output_loss
+    monkeypatch.setattr(LinearCrossEntropy, "MIN_ROWS", 1)
+    monkeypatch.setattr(LinearCrossEntropy, "CHUNK", 7 * 500)
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=500, d_model=32, n_heads=4, d_ff=64, n_encoder_layers=1, n_decoder_layers=1,
+                            dropout=0.0, tie_output=True, share_embeddings=True, tied_output_scale=True)
+    model = build_model(cfg)
+    src, tgt = torch.randint(4, 500, (3, 9)), torch.randint(4, 500, (3, 8))
+    labels = torch.randint(4, 500, (3, 8))
+    labels[2, 5:] = 0
+    grads = []
+    for fused in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, n = (output_loss(model, model(src, tgt, hidden_only=True), labels, 0, 0.1) if fused
+                       else label_smoothed_loss(model(src, tgt), labels, 0, 0.1))
+        loss.backward()
+        grads.append((loss.detach(), n, {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (ref, n_ref, want), (got, n_got, have) = grads
+    assert n_got == n_ref == 21 and torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    for k in want:  # bf16: the same products, but the head's gradient is summed over chunks in fp32
+        if bf16:
+            assert (have[k] - want[k]).abs().max() <= 1e-2 * want[k].abs().max(), k
+        else:
+            assert torch.allclose(have[k], want[k], atol=1e-6, rtol=1e-4), k

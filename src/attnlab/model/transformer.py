@@ -145,10 +145,14 @@ class TransformerBase(nn.Module):
         return rope, bias
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The output projection; T5 first rescales by d_model^-0.5 (its tied embedding has std 1)."""
-        if self.config.tied_output_scale:
-            h = h * self.config.d_model ** -0.5
-        return self.lm_head(h)
+        """The output projection."""
+        return self.lm_head(self.head_input(h))
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What ``lm_head`` multiplies: the last hidden states, which T5 first rescales by d_model^-0.5
+        (its tied embedding has std 1). Training takes it to fuse the projection with the loss
+        (``train.tasks.base.output_loss``)."""
+        return h * self.config.d_model ** -0.5 if self.config.tied_output_scale else h
 
     def _make_output_projection(self, vocab_size: int, tied: TokenEmbedding | None) -> nn.Linear:
         cfg = self.config
@@ -277,8 +281,9 @@ class EncoderDecoder(TransformerBase):
 
     def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None = None,
                tgt_mask: torch.Tensor | None = None, cache: DecoderCache | None = None,
-               last_only: bool = False) -> torch.Tensor:
-        """tgt (B, T) target prefix → logits (B, T, V) (or (B, V) with last_only).
+               last_only: bool = False, hidden_only: bool = False) -> torch.Tensor:
+        """tgt (B, T) target prefix → logits (B, T, V) (or (B, V) with last_only; with hidden_only, the
+        decoder's last hidden states (B, T, d) before the output projection).
 
         With a cache, ``tgt`` holds only the new positions and ``tgt_mask`` (if any) covers all
         positions so far; there, as in ``DecoderOnly.forward``, positions count real tokens only, so a
@@ -294,13 +299,14 @@ class EncoderDecoder(TransformerBase):
         memory_mask = padding_mask(src_mask) if src_mask is not None else None
         h = self.decoder(x, memory, mask=mask, is_causal=is_causal, memory_mask=memory_mask,
                          rope=rope, bias=bias, cache=cache)
-        return self._logits(h[:, -1] if last_only else h)
+        h = h[:, -1] if last_only else h
+        return h if hidden_only else self._logits(h)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
-                tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
+                tgt_mask: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
         """Teacher forcing: all target positions in one pass; the causal mask keeps each position
         from seeing its future."""
-        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
+        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask, hidden_only=hidden_only)
 
     def new_cache(self, capacity: int = 0) -> DecoderCache:
         return DecoderCache(self.config.n_decoder_layers, cross_attention=True, capacity=capacity)
@@ -321,12 +327,14 @@ class DecoderOnly(TransformerBase):
 
     def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, cache: DecoderCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        """ids (B, T) → logits (B, T, V). ``attention_mask`` (B, past+T) marks real tokens; with
-        left padding, positions count real tokens only, so a padded row equals the prompt alone."""
+                last_only: bool = False, hidden_only: bool = False) -> torch.Tensor:
+        """ids (B, T) → logits (B, T, V) (with hidden_only: the last hidden states (B, T, d)).
+        ``attention_mask`` (B, past+T) marks real tokens; with left padding, positions count real
+        tokens only, so a padded row equals the prompt alone."""
         x, seg = self._embed_segment(ids, attention_mask, cache, positions)
         h = self.decoder(x, mask=seg.mask, is_causal=seg.is_causal, rope=seg.rope, bias=seg.bias, cache=cache)
-        return self._logits(h[:, -1] if last_only else h)
+        h = h[:, -1] if last_only else h
+        return h if hidden_only else self._logits(h)
 
     def _embed_segment(self, ids, attention_mask, cache, positions=None) -> tuple[torch.Tensor, Segment]:
         """Embedded ids (B, T, d) and what their attention needs: mask, RoPE angles, bias. Positions

@@ -184,6 +184,100 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+def forward_to_output_loss(model, forward, pad_id: int | None):
+    """A task's ``training_forward`` for a model that predicts tokens: ``(*inputs, labels, smoothing)
+    → (loss, n)``, the last hidden states of the (possibly DDP-wrapped or compiled) ``forward`` fed
+    to ``output_loss``, which fuses the output projection with the loss."""
+    def run(*args):
+        *inputs, labels, smoothing = args
+        return output_loss(model, forward(*inputs, hidden_only=True), labels, pad_id, smoothing)
+    return run
+
+
+def output_loss(model, hidden: torch.Tensor, labels: torch.Tensor, pad_id: int | None, smoothing: float):
+    """``label_smoothed_loss(model's logits, ...)`` from the last hidden states (B, T, d), with the
+    output projection inside the loss (``LinearCrossEntropy``): in training, the (tokens × vocabulary)
+    logits and their gradient are never held, a few rows at a time instead. Where there is no
+    gradient to take, it is the plain projection and ``label_smoothed_loss``."""
+    head = model.lm_head
+    h, labels = model.head_input(hidden).reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if not (torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)):
+        return label_smoothed_loss(head(h), labels, pad_id, smoothing)
+    ignore = pad_id if pad_id is not None else -100
+    loss = LinearCrossEntropy.apply(h, head.weight, head.bias, labels, ignore, smoothing)
+    return loss, int((labels != ignore).sum())
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The output projection and the label-smoothed cross-entropy in one function, the way Liger's
+    and Apple's fused losses do it: for each chunk of rows the logits are computed into one reused
+    buffer, reduced to the loss, turned into their gradient (softmax − smoothed one-hot, the formula
+    of ``ChunkedCrossEntropy``) and multiplied straight into the gradients of the hidden states and
+    of the weight. The loss is the last operation of the graph, so its gradient is known in the
+    forward; the backward only scales what the forward left. The same matrix products as
+    ``F.linear`` + its backward, none of the (tokens × vocabulary) tensors: with a 49k vocabulary
+    and 2,048 tokens that is 800 MB of fp32 logits and gradient not allocated.
+
+    Under autocast the products run in the autocast dtype (as ``F.linear`` would) and the softmax in
+    fp32; the weight's gradient is accumulated in fp32 chunk by chunk."""
+
+    CHUNK = 1 << 22  # logits per chunk (16 MB in fp32) ...
+    MIN_ROWS = 256  # ... but never fewer rows than this: narrower products run below the GEMM's speed
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, ignore: int, smoothing: float):
+        dev = h.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        with torch.autocast(dev, enabled=False):
+            x, w = h.to(dtype), weight.to(dtype)  # (N, d), (V, d)
+            b = bias.to(dtype) if bias is not None else None
+            (N, d), V = x.shape, w.shape[0]
+            keep = labels != ignore
+            count = keep.sum()
+            target = labels.masked_fill(~keep, 0)[:, None]  # (N, 1)
+            row_scale = keep.float() / count  # (N,): d(mean loss)/d(row loss), 0 on ignored rows
+            rows = min(N, max(LinearCrossEntropy.MIN_ROWS, LinearCrossEntropy.CHUNK // V))
+            buffer = torch.empty(rows, V, dtype=dtype, device=h.device)  # one chunk's logits, reused
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(x) if need_h else None
+            grad_w = torch.zeros(V, d, dtype=torch.float32, device=h.device) if need_w else None
+            grad_b = torch.zeros(V, dtype=torch.float32, device=h.device) if need_b else None
+            for s in range(0, N, rows):
+                xc, t = x[s:s + rows], target[s:s + rows]
+                logits = buffer[:xc.shape[0]]  # (R, V)
+                if b is not None:
+                    torch.addmm(b, xc, w.t(), out=logits)
+                else:
+                    torch.mm(xc, w.t(), out=logits)
+                g = logits.float()  # fp32 logits: the chunk itself when the products are fp32
+                lse = torch.logsumexp(g, dim=-1)  # (R,)
+                row_loss = lse - (1 - smoothing) * g.gather(1, t).squeeze(1) - smoothing * g.mean(dim=-1)
+                total += (row_loss * keep[s:s + rows]).sum()
+                g = g.sub_(lse[:, None]).exp_()  # softmax, in place
+                g.sub_(smoothing / V).scatter_add_(1, t, torch.full_like(t, smoothing - 1, dtype=g.dtype))
+                g = g.mul_(row_scale[s:s + rows, None]).to(dtype)  # d loss / d logits, (R, V)
+                if need_h:
+                    torch.mm(g, w, out=grad_h[s:s + rows])
+                if need_w:
+                    if dtype == torch.float32:
+                        grad_w.addmm_(g.t(), xc)
+                    else:
+                        grad_w += g.t() @ xc
+                if need_b:
+                    grad_b += g.sum(0, dtype=torch.float32)
+        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)))
+        ctx.dtypes = (h.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total / count
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        return (*(g.mul(grad_out).to(dt) if need else None
+                  for g, dt, need in zip(saved, ctx.dtypes, ctx.needs_input_grad[:3])), None, None, None)
+
+
 def config_with_own_vocab(task: Task, args, min_positions: int = 0, **extra) -> TransformerConfig:
     """The preset with the task's own tokenizer (attnlab's special ids 0–3): checks the family and
     lets learned positions cover the longest training sequence."""

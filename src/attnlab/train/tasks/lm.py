@@ -10,7 +10,7 @@ from ...config import TransformerConfig
 from ...data.readers import DataError, read_text
 from ...data.tokenizer import Tokenizer, char_tokenizer, train_tokenizer
 from ...evaluate.scoring import lm_loss
-from .base import DataPosition, Task, config_with_own_vocab, label_smoothed_loss
+from .base import DataPosition, Task, config_with_own_vocab, forward_to_output_loss
 
 
 class LanguageModelTask(Task):
@@ -70,9 +70,12 @@ class LanguageModelTask(Task):
         y = torch.stack([self.train_ids[i + 1: i + 1 + T] for i in ix.tolist()])
         return x, y
 
+    def training_forward(self, model, forward):
+        return forward_to_output_loss(model, forward, None)
+
     def loss(self, forward, batch, smoothing):
         x, y = batch
-        loss, n = label_smoothed_loss(forward(x), y, None, smoothing)
+        loss, n = forward(x, y, smoothing)
         return loss, n, n
 
     @torch.no_grad()

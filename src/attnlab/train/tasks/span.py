@@ -22,7 +22,7 @@ from ...config import TransformerConfig
 from ...data.batching import TokenBatchSampler, collate_pairs
 from ...data.readers import DataError, read_text
 from ...data.tokenizer import Tokenizer, train_tokenizer
-from .base import DataPosition, ListBatches, Task, config_with_own_vocab, label_smoothed_loss
+from .base import DataPosition, ListBatches, Task, config_with_own_vocab, label_smoothed_loss, forward_to_output_loss
 
 
 def sentinel(i: int) -> str:
@@ -196,9 +196,12 @@ class SpanCorruptionTask(Task):
         src, tgt = zip(*pairs)
         return collate_pairs(list(src), list(tgt), self.tok.pad_id)  # src, src_mask, tgt_in, labels
 
+    def training_forward(self, model, forward):
+        return forward_to_output_loss(model, forward, self.tok.pad_id)
+
     def loss(self, forward, batch, smoothing):
         src, src_mask, tgt_in, labels = batch
-        loss, n = label_smoothed_loss(forward(src, tgt_in, src_mask), labels, self.tok.pad_id, smoothing)
+        loss, n = forward(src, tgt_in, src_mask, labels, smoothing)
         return loss, n, int(src_mask.sum()) + n
 
     @torch.no_grad()

@@ -10,7 +10,7 @@ from ...config import TransformerConfig, load_config
 from ...data.batching import TokenBatchSampler, collate_pairs
 from ...data.readers import DataError, Pairs, read_pairs, to_simplified
 from ...data.tokenizer import Tokenizer, train_tokenizer
-from .base import DataPosition, ListBatches, Task, label_smoothed_loss
+from .base import DataPosition, ListBatches, Task, label_smoothed_loss, forward_to_output_loss
 
 
 def with_source_prefix(pairs: Pairs, prefix: str) -> Pairs:
@@ -90,9 +90,12 @@ class TranslationTask(Task):
         b = self.batches.next(position)
         return collate_pairs([self.train_src[i] for i in b], [self.train_tgt[i] for i in b], 0)
 
+    def training_forward(self, model, forward):
+        return forward_to_output_loss(model, forward, 0)
+
     def loss(self, forward, batch, smoothing):
         src, src_mask, tgt_in, labels = batch
-        loss, n = label_smoothed_loss(forward(src, tgt_in, src_mask), labels, 0, smoothing)
+        loss, n = forward(src, tgt_in, src_mask, labels, smoothing)
         return loss, n, int(src_mask.sum()) + n
 
     @torch.no_grad()
