@@ -13,7 +13,10 @@ turns, best of --repeats rounds each. --quantize adds attnlab rows with weight-o
 (``attnlab.quant``), eager and — with --compile — compiled, timed in turns with llama.cpp's Q4_1 on
 the same file (best of --repeats rounds each), with how many greedy tokens agree with attnlab's fp32.
 --as-avx2 runs everything with PyTorch, oneDNN and MKL capped at AVX2 (``accel.AVX2_ENVIRONMENT``):
-the stand-in for an AVX2-only CPU.
+the stand-in for an AVX2-only CPU. Those variables do not reach llama.cpp, which picks its kernels when
+it is built: ``--llama-cpp-python DIR`` imports llama_cpp from DIR instead, e.g. a build made with
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
+pip install --no-deps --target DIR llama-cpp-python`` to stand in for llama.cpp on the same AVX2 CPU.
 """
 
 import argparse
@@ -48,7 +51,11 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time attnlab with torch.compile")
     ap.add_argument("--quantize", default="", help="comma-separated: int8, int4 (attnlab rows with quantised weights)")
     ap.add_argument("--as-avx2", action="store_true", help="cap PyTorch, oneDNN and MKL at AVX2 (and no native bf16)")
+    ap.add_argument("--llama-cpp-python", metavar="DIR", help="import llama_cpp from this folder (e.g. an AVX2-only build)")
     args = ap.parse_args()
+    if args.llama_cpp_python:
+        import sys
+        sys.path.insert(0, args.llama_cpp_python)
     from attnlab import accel
     if args.as_avx2:
         accel.restart_capped_at_avx2()
@@ -67,7 +74,8 @@ def main():
     bw = copy_bandwidth()
     params = ours.model.num_parameters()
     results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-               "new_tokens": n, "copy_bandwidth_GBps": round(bw / 1e9, 1), "parameters": params}
+               "new_tokens": n, "copy_bandwidth_GBps": round(bw / 1e9, 1), "parameters": params,
+               "llama_cpp_python_from": args.llama_cpp_python or "the environment"}
     for dtype in (torch.float32,) + ((torch.bfloat16,) if accel.bf16_native("cpu") else ()):  # no emulated bf16
         ours.model.to(dtype)
         hf.to(dtype)

@@ -481,6 +481,64 @@ def test_compiled_quantised_step_matches_the_eager_step(monkeypatch, kind, kerne
 
 
 @pytest.mark.skipif(not accel.can_compile("cpu"), reason="no torch.compile here (no C++ compiler, or ATTNLAB_COMPILE=0)")
+def test_two_models_of_one_architecture_each_run_their_own_compiled_step(monkeypatch):
+    """dynamo caches compiled graphs per code object, so two models of the same architecture share one
+    cache; with its module guards dropped, the compiled step keeps the identity of two of its frozen
+    weights, and that is what sends each model to its own graph (and its own constants)."""
+    _kernels(monkeypatch, False)  # the traced eager path: exact
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(quantize_model(_model("llama-mini", n_decoder_layers=1), "int8"))
+    ids = torch.randint(4, 320, (1, 3))
+    with torch.no_grad():
+        for model in models + models[:1]:  # A, B, then A again
+            out = accel.compiled_step(model, model)(ids, last_only=True)
+            torch.testing.assert_close(out, model(ids, last_only=True), atol=1e-4, rtol=1e-4)
+        assert (models[0](ids, last_only=True) - models[1](ids, last_only=True)).abs().max() > 0.1
+
+
+_CAPPED_INT8_STEP = """
+import json, torch
+import torch.nn.functional as F
+from attnlab import accel, quant
+from attnlab.config import get_preset
+from attnlab.model import build_model
+torch.manual_seed(0)
+model = quant.quantize_model(build_model(get_preset("llama-mini", **{**TINY, "n_decoder_layers": 1})).eval(), "int8")
+prompt = torch.randint(4, 320, (1, 5))
+with torch.inference_mode():
+    eager = model(prompt, last_only=True)
+    step = accel.compiled_step(model, model)
+    compiled = step(prompt, last_only=True)
+print(json.dumps({"backends": accel._autotune_backends("int8", torch.device("cpu")),
+                  "kernels": sum(m.compile_dtype is not None for m in model.modules() if isinstance(m, quant._QuantLinear)),
+                  "kernels_ok": quant.quant_kernels_ok("int8", quant.kernel_dtype(torch.float32)),
+                  "cos": F.cosine_similarity(compiled.flatten(), eager.flatten(), dim=0).item(),
+                  "rel_max": ((compiled - eager).abs().max() / eager.abs().max()).item()}))
+"""
+
+
+@pytest.mark.skipif(not accel.can_compile("cpu") or "avx2" not in accel.cpu_flags(),
+                    reason="no torch.compile here, or no AVX2 to cap at")
+def test_compiled_int8_step_on_avx2_takes_the_gemm_template_and_matches_eager(tmp_path):
+    """On AVX2 (here a child process capped at AVX2, with an inductor cache of its own) inductor may
+    choose only its C++ GEMM template for the int8 products of a compiled step (``_autotune_backends``):
+    the step still builds, runs the int8 kernel tensors, and gives the eager logits to bf16 rounding."""
+    import subprocess
+    import sys
+    env = {**os.environ, **accel.AVX2_ENVIRONMENT, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    res = subprocess.run([sys.executable, "-c", f"TINY = {TINY!r}" + _CAPPED_INT8_STEP], env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["backends"] == {"max_autotune_gemm_backends": "CPP"}
+    assert (r["kernels"] > 0) == r["kernels_ok"]
+    assert r["cos"] > 0.999 and r["rel_max"] <= 0.05
+
+
+@pytest.mark.skipif(not accel.can_compile("cpu"), reason="no torch.compile here (no C++ compiler, or ATTNLAB_COMPILE=0)")
 def test_compiled_step_is_made_again_when_the_weights_change(monkeypatch):
     """Dynamo's guards on the model's modules are skipped (they cost ~10% of a quantised step), so a
     compiled step must not outlive the weights it froze: asked again after an in-place change, or after

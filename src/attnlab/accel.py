@@ -421,7 +421,8 @@ def compiled_step(model: torch.nn.Module, fn):
         # graph, then eager
         tries = [{"freezing": True}]
         if kernels:
-            tries.insert(0, {"freezing": True, "max_autotune": True, "autotune_num_choices_displayed": 0})
+            tries.insert(0, {"freezing": True, "max_autotune": True, "autotune_num_choices_displayed": 0,
+                             **_autotune_backends(quant.quantized_kind(model), p0.device)})
 
         def step(*args, **kwargs):
             import torch._inductor.config as inductor_config
@@ -444,13 +445,35 @@ def compiled_step(model: torch.nn.Module, fn):
     return entry[1]
 
 
+def _autotune_backends(kind: str | None, device: torch.device) -> dict:
+    """Inductor's GEMM choices for a quantised step. On AVX2, int8 products take its C++
+    template only. Autotuning times each choice on weights already in cache, where PyTorch's
+    ``_weight_int8pack_mm`` wins for some of SmolLM2's shapes. Inside the step the weights stream from
+    memory, and there the template is faster: under the AVX2 cap, 86–102 tok/s against 69–80 with
+    aten allowed (SmolLM2 int8 batch 1, docs/results.md). With AVX-512 the two measured alike, so
+    autotuning keeps both."""
+    if kind == "int8" and device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return {"max_autotune_gemm_backends": "CPP"}
+    return {}
+
+
 def _frozen_tensor_guards_only(entries) -> list[bool]:
     """Which of dynamo's guards a compiled step keeps: none on the modules' attributes and hooks
-    (``compiled_step``'s own key stands for them), except the identity of every frozen weight. Those
-    matter: dynamo caches per code object, so two models of the same architecture share a cache, and
-    without the identity checks the second would run the first's frozen weights."""
+    (``compiled_step``'s own key stands for them), and of the identity checks on frozen weights only
+    the first and the last. Those matter: dynamo caches per code object, so two models of the same
+    architecture share a cache, and without an identity check the second would run the first's frozen
+    weights (tested). One model's tensors are its own, so two of them tell the models apart; a changed
+    weight is ``_model_state``'s business. Checking all of them (~500 for SmolLM2 int8) cost a quarter
+    of a quantised step under the AVX2 cap (90.6 against 121.8 tok/s, ad-hoc)."""
     keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
-    return [k or e.guard_type == "ID_MATCH" for k, e in zip(keep, entries)]
+    weights = [i for i, e in enumerate(entries) if e.guard_type == "ID_MATCH" and _names_a_tensor(e.name)]
+    identity, checked = {weights[0], weights[-1]} if weights else set(), set(weights)
+    return [i in identity if i in checked else (k or e.guard_type == "ID_MATCH")
+            for i, (k, e) in enumerate(zip(keep, entries))]
+
+
+def _names_a_tensor(source: str) -> bool:
+    return "._parameters[" in source or "._buffers[" in source
 
 
 def _model_state(model: torch.nn.Module) -> tuple:

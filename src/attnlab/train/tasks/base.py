@@ -209,14 +209,14 @@ def output_loss(model, hidden: torch.Tensor, labels: torch.Tensor, pad_id: int |
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """The output projection and the label-smoothed cross-entropy in one function, the way Liger's
-    and Apple's fused losses do it: for each chunk of rows the logits are computed into one reused
-    buffer, reduced to the loss, turned into their gradient (softmax − smoothed one-hot, the formula
-    of ``ChunkedCrossEntropy``) and multiplied straight into the gradients of the hidden states and
-    of the weight. The loss is the last operation of the graph, so its gradient is known in the
-    forward; the backward only scales what the forward left. The same matrix products as
-    ``F.linear`` + its backward, none of the (tokens × vocabulary) tensors: with a 49k vocabulary
-    and 2,048 tokens that is 800 MB of fp32 logits and gradient not allocated.
+    """The output projection and the label-smoothed cross-entropy in one function, the way
+    Liger-Kernel's fused linear cross-entropy does it: for each chunk of rows the logits are
+    computed into one reused buffer, reduced to the loss, turned into their gradient (softmax −
+    smoothed one-hot, the formula of ``ChunkedCrossEntropy``) and multiplied straight into the
+    gradients of the hidden states and of the weight. The loss is the last operation of the graph,
+    so its gradient is known in the forward; the backward only scales what the forward left. The
+    same matrix products as ``F.linear`` + its backward, none of the (tokens × vocabulary) tensors:
+    with a 49k vocabulary and 2,048 tokens that is 800 MB of fp32 logits and gradient not allocated.
 
     Under autocast the products run in the autocast dtype (as ``F.linear`` would) and the softmax in
     fp32; the weight's gradient is accumulated in fp32 chunk by chunk."""
@@ -239,6 +239,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             row_scale = keep.float() / count  # (N,): d(mean loss)/d(row loss), 0 on ignored rows
             rows = min(N, max(LinearCrossEntropy.MIN_ROWS, LinearCrossEntropy.CHUNK // V))
             buffer = torch.empty(rows, V, dtype=dtype, device=h.device)  # one chunk's logits, reused
+            upcast = torch.empty(rows, V, device=h.device) if dtype != torch.float32 else None  # their fp32 copy
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             grad_h = torch.empty_like(x) if need_h else None
             grad_w = torch.zeros(V, d, dtype=torch.float32, device=h.device) if need_w else None
@@ -250,13 +251,17 @@ class LinearCrossEntropy(torch.autograd.Function):
                     torch.addmm(b, xc, w.t(), out=logits)
                 else:
                     torch.mm(xc, w.t(), out=logits)
-                g = logits.float()  # fp32 logits: the chunk itself when the products are fp32
+                g = upcast[:xc.shape[0]].copy_(logits) if upcast is not None else logits  # fp32 logits
                 lse = torch.logsumexp(g, dim=-1)  # (R,)
                 row_loss = lse - (1 - smoothing) * g.gather(1, t).squeeze(1) - smoothing * g.mean(dim=-1)
                 total += (row_loss * keep[s:s + rows]).sum()
                 g = g.sub_(lse[:, None]).exp_()  # softmax, in place
                 g.sub_(smoothing / V).scatter_add_(1, t, torch.full_like(t, smoothing - 1, dtype=g.dtype))
-                g = g.mul_(row_scale[s:s + rows, None]).to(dtype)  # d loss / d logits, (R, V)
+                g = g.mul_(row_scale[s:s + rows, None])  # d loss / d logits, (R, V)
+                if need_b:
+                    grad_b += g.sum(0)
+                if upcast is not None:
+                    g = logits.copy_(g)  # back in the products' dtype, over the logits
                 if need_h:
                     torch.mm(g, w, out=grad_h[s:s + rows])
                 if need_w:
@@ -264,8 +269,6 @@ class LinearCrossEntropy(torch.autograd.Function):
                         grad_w.addmm_(g.t(), xc)
                     else:
                         grad_w += g.t() @ xc
-                if need_b:
-                    grad_b += g.sum(0, dtype=torch.float32)
         ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)))
         ctx.dtypes = (h.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total / count
