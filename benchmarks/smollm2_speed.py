@@ -21,6 +21,7 @@ pip install --no-deps --target DIR llama-cpp-python`` to stand in for llama.cpp 
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -54,7 +55,6 @@ def main():
     ap.add_argument("--llama-cpp-python", metavar="DIR", help="import llama_cpp from this folder (e.g. an AVX2-only build)")
     args = ap.parse_args()
     if args.llama_cpp_python:
-        import sys
         sys.path.insert(0, args.llama_cpp_python)
     from attnlab import accel
     if args.as_avx2:

@@ -159,10 +159,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         starts, rows = ChunkedCrossEntropy._chunks(logits)
         for s in starts:
-            chunk = logits[s:s + rows].float()  # (rows, V)
-            lse[s:s + rows] = torch.logsumexp(chunk, dim=-1)
-            row_loss = (lse[s:s + rows] - (1 - smoothing) * chunk.gather(1, target[s:s + rows]).squeeze(1)
-                        - smoothing * chunk.mean(dim=-1))
+            lse[s:s + rows], row_loss = _smoothed_row_loss(logits[s:s + rows].float(), target[s:s + rows], smoothing)
             total += row_loss.masked_fill(~keep[s:s + rows], 0.0).sum()
         count = keep.sum()
         ctx.save_for_backward(logits, target, keep, lse, count)
@@ -172,16 +169,28 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         logits, target, keep, lse, count = ctx.saved_tensors
-        eps, vocab = ctx.smoothing, logits.shape[1]
         row_scale = keep.float() * (grad_out.float() / count)  # (N,): 0 on ignored rows
         grad = torch.empty_like(logits)
         starts, rows = ChunkedCrossEntropy._chunks(logits)
         for s in starts:
-            g = (logits[s:s + rows].float() - lse[s:s + rows, None]).exp_()  # softmax, (rows, V)
-            g.sub_(eps / vocab).scatter_add_(1, target[s:s + rows],
-                                              torch.full_like(target[s:s + rows], eps - 1, dtype=g.dtype))
-            grad[s:s + rows] = g.mul_(row_scale[s:s + rows, None])
+            g = logits[s:s + rows].to(torch.float32, copy=True)  # (rows, V): the saved logits stay as they are
+            grad[s:s + rows] = _smoothed_logit_grad_(g, lse[s:s + rows], target[s:s + rows], ctx.smoothing,
+                                                     row_scale[s:s + rows])
         return grad, None, None, None
+
+
+def _smoothed_row_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float):
+    """fp32 logits (R, V), targets (R, 1) → (log-sum-exp, loss) per row: lse − (1−ε)·l_y − ε·mean(l)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    return lse, lse - (1 - smoothing) * logits.gather(1, target).squeeze(1) - smoothing * logits.mean(dim=-1)
+
+
+def _smoothed_logit_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, smoothing: float,
+                          row_scale: torch.Tensor) -> torch.Tensor:
+    """In place, fp32 logits (R, V) → their gradient: (softmax − (1−ε)·[j = y] − ε/V) · row_scale."""
+    g = logits.sub_(lse[:, None]).exp_()  # softmax
+    g.sub_(smoothing / g.shape[1]).scatter_add_(1, target, torch.full_like(target, smoothing - 1, dtype=g.dtype))
+    return g.mul_(row_scale[:, None])
 
 
 def forward_to_output_loss(model, forward, pad_id: int | None):
@@ -252,12 +261,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                 else:
                     torch.mm(xc, w.t(), out=logits)
                 g = upcast[:xc.shape[0]].copy_(logits) if upcast is not None else logits  # fp32 logits
-                lse = torch.logsumexp(g, dim=-1)  # (R,)
-                row_loss = lse - (1 - smoothing) * g.gather(1, t).squeeze(1) - smoothing * g.mean(dim=-1)
-                total += (row_loss * keep[s:s + rows]).sum()
-                g = g.sub_(lse[:, None]).exp_()  # softmax, in place
-                g.sub_(smoothing / V).scatter_add_(1, t, torch.full_like(t, smoothing - 1, dtype=g.dtype))
-                g = g.mul_(row_scale[s:s + rows, None])  # d loss / d logits, (R, V)
+                lse, row_loss = _smoothed_row_loss(g, t, smoothing)  # (R,), (R,)
+                total += row_loss.masked_fill(~keep[s:s + rows], 0.0).sum()
+                g = _smoothed_logit_grad_(g, lse, t, smoothing, row_scale[s:s + rows])  # d loss / d logits
                 if need_b:
                     grad_b += g.sum(0)
                 if upcast is not None:
