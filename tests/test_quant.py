@@ -499,7 +499,7 @@ def test_two_models_of_one_architecture_each_run_their_own_compiled_step(monkeyp
 
 
 _CAPPED_INT8_STEP = """
-import json, torch
+import copy, json, torch
 import torch.nn.functional as F
 from attnlab import accel, quant
 from attnlab.config import get_preset
@@ -507,24 +507,39 @@ from attnlab.model import build_model
 torch.manual_seed(0)
 model = quant.quantize_model(build_model(get_preset("llama-mini", **{**TINY, "n_decoder_layers": 1})).eval(), "int8")
 prompt = torch.randint(4, 320, (1, 5))
+exact = copy.deepcopy(model)
+for m in exact.modules():
+    if isinstance(m, quant._QuantLinear):
+        m.kernel_shape_ok = False  # the eager product in fp32 (PyTorch's kernel would take bf16 activations)
 with torch.inference_mode():
-    eager = model(prompt, last_only=True)
+    eager = exact(prompt, last_only=True)
     step = accel.compiled_step(model, model)
     compiled = step(prompt, last_only=True)
-print(json.dumps({"backends": accel._autotune_backends("int8", torch.device("cpu")),
-                  "kernels": sum(m.compile_dtype is not None for m in model.modules() if isinstance(m, quant._QuantLinear)),
-                  "kernels_ok": quant.quant_kernels_ok("int8", quant.kernel_dtype(torch.float32)),
+layers = [m for m in model.modules() if isinstance(m, quant._QuantLinear)]
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
+                  "own": [m.own_kernel for m in layers],
                   "cos": F.cosine_similarity(compiled.flatten(), eager.flatten(), dim=0).item(),
                   "rel_max": ((compiled - eager).abs().max() / eager.abs().max()).item()}))
 """
 
 
+def _own_kernel_tools() -> bool:
+    """What attnlab's int8 kernel needs to build here: AVX2 + FMA, a C++ compiler and ninja."""
+    from torch.utils import cpp_extension
+    quant._ninja_on_path()
+    return ({"avx2", "fma"} <= accel.cpu_flags() and accel.cxx_compiler() is not None
+            and cpp_extension.is_ninja_available())
+
+
+needs_own_kernel = pytest.mark.skipif(not _own_kernel_tools(), reason="no AVX2+FMA, C++ compiler or ninja here")
+
+
 @pytest.mark.skipif(not accel.can_compile("cpu") or "avx2" not in accel.cpu_flags(),
                     reason="no torch.compile here, or no AVX2 to cap at")
-def test_compiled_int8_step_on_avx2_takes_the_gemm_template_and_matches_eager(tmp_path):
-    """On AVX2 (here a child process capped at AVX2, with an inductor cache of its own) inductor may
-    choose only its C++ GEMM template for the int8 products of a compiled step (``_autotune_backends``):
-    the step still builds, runs the int8 kernel tensors, and gives the eager logits to bf16 rounding."""
+def test_compiled_int8_step_on_avx2_takes_attnlabs_kernel_and_matches_eager(tmp_path):
+    """On AVX2 (here a child process capped at AVX2, with an inductor cache of its own) every int8
+    product of a compiled step is attnlab's own kernel, where it can be built, and the step's logits are
+    the eager ones to float rounding (fp32 activations: no bf16 on the way)."""
     import subprocess
     import sys
     env = {**os.environ, **accel.AVX2_ENVIRONMENT, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
@@ -533,9 +548,88 @@ def test_compiled_int8_step_on_avx2_takes_the_gemm_template_and_matches_eager(tm
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    assert r["backends"] == {"max_autotune_gemm_backends": "CPP"}
-    assert (r["kernels"] > 0) == r["kernels_ok"]
-    assert r["cos"] > 0.999 and r["rel_max"] <= 0.05
+    assert r["capability"] == "AVX2"
+    if _own_kernel_tools():
+        assert r["own"] and all(r["own"]), r
+        assert r["cos"] > 0.99999 and r["rel_max"] <= 1e-4, r
+    else:  # the GEMM template (or the traced eager product): bf16 activations
+        assert not any(r["own"]) and r["cos"] > 0.999 and r["rel_max"] <= 0.05, r
+
+
+@needs_own_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 1, 3), (2, 7, 5), (3, 33, 64), (5, 100, 257), (8, 1000, 40)])
+def test_own_int8_kernel_is_the_exact_product(M, K, N):
+    """attnlab::int8_matvec against the product in float64: every tail of the 32- and 8-wide loops,
+    more rows than one, a row split over threads; fp32 accumulation is the only difference."""
+    assert quant._build_int8_kernel()
+    g = torch.Generator().manual_seed(M * K + N)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    scales = torch.rand(N, generator=g) / 127
+    out = torch.ops.attnlab.int8_matvec(x, w, scales)
+    ref = F.linear(x.double(), w.double()) * scales.double()
+    assert out.dtype == torch.float32 and out.shape == (M, N)
+    bound = 1e-6 * (x.abs().double() @ w.abs().double().t() * scales.double()).max().item() + 1e-7
+    assert (out.double() - ref).abs().max().item() <= bound
+    # a strided input is made contiguous, not misread
+    xt = torch.randn(K, M, generator=g).t()
+    torch.testing.assert_close(torch.ops.attnlab.int8_matvec(xt, w, scales).double(),
+                               F.linear(xt.double(), w.double()) * scales.double(), rtol=1e-5, atol=bound)
+
+
+@needs_own_kernel
+def test_own_int8_kernel_says_what_does_not_fit():
+    assert quant._build_int8_kernel()
+    x, w, s = torch.randn(2, 16), torch.zeros(4, 16, dtype=torch.int8), torch.ones(4)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.attnlab.int8_matvec(x, w[:, :8], s)
+    with pytest.raises(RuntimeError, match="fp32 x, int8 w"):
+        torch.ops.attnlab.int8_matvec(x.bfloat16(), w, s)
+
+
+def test_own_int8_kernel_only_where_it_is_wanted_and_can_build(monkeypatch):
+    """Never where PyTorch runs AVX-512 (the GEMM template is faster there) or ``ATTNLAB_INT8_KERNEL=0``;
+    without ninja it is not tried and the template serves."""
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(quant, "_OWN_INT8", {})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not quant.own_int8_kernel()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("ATTNLAB_INT8_KERNEL", "0")
+    assert not quant.own_int8_kernel()
+    monkeypatch.delenv("ATTNLAB_INT8_KERNEL")
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    assert not quant.own_int8_kernel() and quant._OWN_INT8 == {"ok": False}
+
+
+@needs_own_kernel
+@pytest.mark.skipif(not accel.can_compile("cpu"), reason="no torch.compile here (no C++ compiler, or ATTNLAB_COMPILE=0)")
+def test_compiled_step_with_attnlabs_int8_kernel_matches_the_eager_step(monkeypatch):
+    """The kernel taken here whatever PyTorch's capability (the kernel is AVX2 code, which AVX-512 CPUs
+    run too): its buffers are not saved, and each step's logits, with the wrapper in C++, are the eager
+    step's to float rounding, over a growing cache and two rows."""
+    from attnlab.generate.search import DecoderOnlyStepper
+    monkeypatch.setattr(quant, "own_int8_kernel", quant._build_int8_kernel)
+    torch.manual_seed(0)
+    model = quantize_model(_model("llama-mini", n_decoder_layers=1), "int8")
+    keys = set(model.state_dict())
+    exact = copy.deepcopy(model)
+    for m in exact.modules():
+        if isinstance(m, quant._QuantLinear):
+            m.kernel_shape_ok = False  # the eager product in fp32 (PyTorch's kernel takes bf16 on x86)
+    prompt = torch.randint(4, 320, (2, 5))
+    with torch.inference_mode():
+        eager = DecoderOnlyStepper(exact, prompt, None, capacity=16)
+        compiled = DecoderOnlyStepper(model, prompt, None, capacity=16, compile=True)
+        assert quant.uses_own_kernel(model)
+        assert all(m.own_kernel for m in model.modules() if isinstance(m, quant._QuantLinear))
+        assert set(model.state_dict()) == keys
+        compiled.step(None)  # the prompt: eager in both (its head product has 2 rows: PyTorch's bf16 kernel)
+        tok = eager.step(None).argmax(-1, keepdim=True)
+        for _ in range(4):
+            a, b = eager.step(tok), compiled.step(tok)
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * a.abs().max().item())
+            tok = a.argmax(-1, keepdim=True)
 
 
 @pytest.mark.skipif(not accel.can_compile("cpu"), reason="no torch.compile here (no C++ compiler, or ATTNLAB_COMPILE=0)")

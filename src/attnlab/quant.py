@@ -47,6 +47,16 @@ forces):
   shapes would read past the row or crash, which no probe can catch. The int4 kernel needs
   ``out_features % 16 == 0``, ``in_features % group_size == 0`` and a group size of 32/64/128/256.
 * Not where gradients are needed, not on GPU.
+* **attnlab's own int8 product on AVX2** (``csrc/int8_matvec.cpp``, the op ``attnlab::int8_matvec``):
+  where PyTorch's CPU capability is AVX2, both of the above are slow for int8 (bf16 activations
+  emulated, ~7 and ~20 GB/s on SmolLM2's weights under the AVX2 cap), so the compiled step's int8
+  products call this small AVX2+FMA kernel instead: fp32 activations (no bf16 rounding), weights read
+  once and widened to fp32 in registers, rows split over PyTorch's threads. It is built with
+  ``torch.utils.cpp_extension`` (a C++ compiler and ninja) on first use, cached on disk, and probed
+  against the eager product like the others; it needs no particular shape. Where it cannot build or
+  ``ATTNLAB_INT8_KERNEL=0``, the products are the GEMM template's, as before
+  (``ATTNLAB_QUANT_KERNELS=0`` turns it off with the others). On AVX-512 the template
+  is faster and stays (docs/results.md).
 
 The int4 kernel wants its own packed weight layout; it is made on first use and kept next to the
 portable one (0.5 byte per weight each), like ``accel.PackedLinear``'s cache.
@@ -75,6 +85,73 @@ KINDS = ("int8", "int4")
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 # More rows than this: dequantise once + dense matmul beats the kernel (see the module docstring).
 KERNEL_MAX_ROWS = {"int8": 8, "int4": 64}
+
+
+_OWN_INT8: dict = {}  # "ok" → whether attnlab::int8_matvec is built, registered and right (once per process)
+
+
+def own_int8_kernel() -> bool:
+    """Whether the compiled step's int8 products are attnlab's AVX2 kernel (``csrc/int8_matvec.cpp``):
+    only where PyTorch's own CPU capability is AVX2 (on AVX-512 inductor's template is faster), on an
+    x86 CPU with AVX2 and FMA, not ``ATTNLAB_INT8_KERNEL=0`` (nor ``ATTNLAB_QUANT_KERNELS=0``), and where the kernel builds and agrees
+    with the eager product (tried once per process; a failure is one debug line, and the template)."""
+    if _env_off("ATTNLAB_INT8_KERNEL") or _env_off("ATTNLAB_QUANT_KERNELS"):
+        _once("int8-own-off", "attnlab's AVX2 int8 kernel off (ATTNLAB_INT8_KERNEL=0 or ATTNLAB_QUANT_KERNELS=0)")
+        return False
+    if torch.backends.cpu.get_cpu_capability() != "AVX2" or not _x86():
+        return False
+    if "ok" not in _OWN_INT8:
+        _OWN_INT8["ok"] = _build_int8_kernel()
+    return _OWN_INT8["ok"]
+
+
+def _build_int8_kernel() -> bool:
+    """Build (or load from torch's extension cache) and register ``attnlab::int8_matvec``, register
+    its shape function for tracing, and check it against the eager product on an awkward shape."""
+    from . import accel
+    if not {"avx2", "fma"} <= accel.cpu_flags():
+        _once("int8-own-isa", "attnlab's int8 kernel needs AVX2 and FMA: not on this CPU")
+        return False
+    try:
+        from torch.utils import cpp_extension
+        _ninja_on_path()
+        if accel.cxx_compiler() is None or not cpp_extension.is_ninja_available():
+            _once("int8-own-tools", "attnlab's int8 kernel needs a C++ compiler and ninja (pip install ninja): "
+                  "inductor's GEMM template instead")
+            return False
+        if not hasattr(torch.ops.attnlab, "int8_matvec"):
+            source = os.path.join(os.path.dirname(__file__), "csrc", "int8_matvec.cpp")
+            # -fopenmp: at::parallel_for is PyTorch's OpenMP loop, serial in code built without it
+            cpp_extension.load(name="attnlab_int8_matvec", sources=[source], is_python_module=False,
+                               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+            @torch.library.register_fake("attnlab::int8_matvec")
+            def _(x, w, scales):  # (M, K), (N, K), (N,) → (M, N)
+                return x.new_empty(x.shape[0], w.shape[0])
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(3, 77, generator=g), torch.randint(-127, 128, (40, 77), dtype=torch.int8, generator=g)
+        scales = torch.rand(40, generator=g)
+        ref = F.linear(x.double(), w.double()) * scales.double()
+        ok = torch.allclose(torch.ops.attnlab.int8_matvec(x, w, scales).double(), ref, rtol=1e-5, atol=1e-4)
+        if not ok:
+            _once("int8-own-wrong", "attnlab's int8 kernel gives wrong results here: inductor's GEMM template instead")
+        return ok
+    except Exception as e:  # a compiler that cannot build it, a failed load: the template serves
+        _once("int8-own-build", f"attnlab's int8 kernel did not build ({str(e).strip().splitlines()[:2]}): "
+              "inductor's GEMM template instead")
+        return False
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; pip's ``ninja`` package (a dependency) installs it next
+    to this Python, which is not on PATH when a virtual environment's Python is run without activating it."""
+    import shutil
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def check_kind(kind) -> str | None:
@@ -152,13 +229,20 @@ class _QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._derived: dict = {}  # key → (stamp of the buffers it came from, tensor)
         self.compile_dtype: torch.dtype | None = None  # set by prepare_for_compile: the kernel runs traced
+        self.own_kernel = False  # set by prepare_for_compile: that kernel is attnlab::int8_matvec
 
     def prepare_for_compile(self, dtype: torch.dtype) -> None:
         """Before ``torch.compile`` traces this layer with ``dtype`` activations: register the kernel's
         tensors as (non-persistent) buffers — traced code cannot use the data-pointer cache — or, where
         no kernel may run, let the eager path be traced."""
-        on_cpu = self.kernel_shape_ok and self._portable()[0].device.type == "cpu"
-        self.compile_dtype = self._kernel_dtype_for(dtype) if on_cpu else None
+        on_cpu = self._portable()[0].device.type == "cpu"
+        self.own_kernel = on_cpu and self.kind == "int8" and own_int8_kernel()
+        if self.own_kernel:  # fp32 activations, any shape (see the module docstring)
+            self.compile_dtype = torch.float32
+            self.register_buffer("kernel_weight", self.weight_int8.contiguous(), persistent=False)
+            self.register_buffer("kernel_scales", self.scales.float(), persistent=False)
+            return
+        self.compile_dtype = self._kernel_dtype_for(dtype) if on_cpu and self.kernel_shape_ok else None
         if self.compile_dtype is not None:
             for name, t in self._kernel_tensors(self.compile_dtype).items():
                 self.register_buffer(name, t, persistent=False)
@@ -197,7 +281,8 @@ class _QuantLinear(nn.Module):
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel as torch.compile traces it: on the buffers ``prepare_for_compile`` registered."""
         x2 = x.reshape(-1, self.in_features).to(self.compile_dtype)  # (M, K)
-        out = self._product(x2, self.kernel_weight, self.kernel_scales)  # (M, N)
+        product = torch.ops.attnlab.int8_matvec if self.own_kernel else self._product
+        out = product(x2, self.kernel_weight, self.kernel_scales)  # (M, N)
         return self._add_bias(out.reshape(*x.shape[:-1], self.out_features).to(x.dtype))
 
     def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
@@ -395,11 +480,16 @@ def prepare_for_compile(model: nn.Module, dtype: torch.dtype) -> bool:
     return any(layer.compile_dtype is not None for layer in layers)
 
 
+def uses_own_kernel(model: nn.Module) -> bool:
+    """Whether :func:`prepare_for_compile` gave any layer of ``model`` attnlab's own int8 kernel."""
+    return any(getattr(m, "own_kernel", False) for m in model.modules() if isinstance(m, _QuantLinear))
+
+
 def quantized_kind(model: nn.Module) -> str | None:
     """"int8", "int4", "int8+int4" or None: what :func:`quantize_model` made of ``model``."""
     kinds = sorted({m.kind for m in model.modules() if isinstance(m, _QuantLinear)}, reverse=True)
     return "+".join(kinds) or None
 
 
-__all__ = ["quantize_model", "quantized_kind", "prepare_for_compile", "Int8Linear", "Int4Linear", "quant_kernels_ok", "kernel_dtype",
+__all__ = ["quantize_model", "quantized_kind", "prepare_for_compile", "uses_own_kernel", "own_int8_kernel", "Int8Linear", "Int4Linear", "quant_kernels_ok", "kernel_dtype",
            "check_kind", "KINDS"]
