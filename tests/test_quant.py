@@ -539,7 +539,7 @@ needs_own_kernel = pytest.mark.skipif(not _own_kernel_tools(), reason="no AVX2+F
 def test_compiled_int8_step_on_avx2_takes_attnlabs_kernel_and_matches_eager(tmp_path):
     """On AVX2 (here a child process capped at AVX2, with an inductor cache of its own) every int8
     product of a compiled step is attnlab's own kernel, where it can be built, and the step's logits are
-    the eager ones to float rounding (fp32 activations: no bf16 on the way)."""
+    the eager fp32 ones to its int16 rounding (finer than the bf16 of PyTorch's kernels)."""
     import subprocess
     import sys
     env = {**os.environ, **accel.AVX2_ENVIRONMENT, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
@@ -551,30 +551,49 @@ def test_compiled_int8_step_on_avx2_takes_attnlabs_kernel_and_matches_eager(tmp_
     assert r["capability"] == "AVX2"
     if _own_kernel_tools():
         assert r["own"] and all(r["own"]), r
-        assert r["cos"] > 0.99999 and r["rel_max"] <= 1e-4, r
+        assert r["cos"] > 0.99999 and r["rel_max"] <= 1e-3, r
     else:  # the GEMM template (or the traced eager product): bf16 activations
         assert not any(r["own"]) and r["cos"] > 0.999 and r["rel_max"] <= 0.05, r
 
 
 @needs_own_kernel
-@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 1, 3), (2, 7, 5), (3, 33, 64), (5, 100, 257), (8, 1000, 40)])
-def test_own_int8_kernel_is_the_exact_product(M, K, N):
-    """attnlab::int8_matvec against the product in float64: every tail of the 32- and 8-wide loops,
-    more rows than one, a row split over threads; fp32 accumulation is the only difference."""
+@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 1, 3), (2, 7, 5), (3, 33, 64), (5, 100, 257), (8, 1000, 40),
+                                   (1, 9000, 3)])
+def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
+    """attnlab::int8_matvec against the product in float64: within the bound its int16 activations give
+    (half a step of each row's grid, times |w|·scale), for every tail of the 64- and 16-wide loops, more
+    rows than one, rows split over threads and a row longer than one int32 block."""
     assert quant._build_int8_kernel()
     g = torch.Generator().manual_seed(M * K + N)
     x = torch.randn(M, K, generator=g)
+    x[0, 0] = 8.0  # an outlier: the row's grid is coarser, the bound with it
     w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
     scales = torch.rand(N, generator=g) / 127
     out = torch.ops.attnlab.int8_matvec(x, w, scales)
     ref = F.linear(x.double(), w.double()) * scales.double()
     assert out.dtype == torch.float32 and out.shape == (M, N)
-    bound = 1e-6 * (x.abs().double() @ w.abs().double().t() * scales.double()).max().item() + 1e-7
-    assert (out.double() - ref).abs().max().item() <= bound
-    # a strided input is made contiguous, not misread
-    xt = torch.randn(K, M, generator=g).t()
-    torch.testing.assert_close(torch.ops.attnlab.int8_matvec(xt, w, scales).double(),
-                               F.linear(xt.double(), w.double()) * scales.double(), rtol=1e-5, atol=bound)
+    bound = quant.int16_rounding_bound(x, w, scales) + 1e-6 * ref.abs() + 1e-7
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    assert (out.double() - ref).abs().max() < 1e-3 * ref.abs().max()  # and the bound is not loose
+    xt = torch.randn(K, M, generator=g).t()  # a strided input is made contiguous, not misread
+    ref_t = F.linear(xt.double(), w.double()) * scales.double()
+    err_t = (torch.ops.attnlab.int8_matvec(xt, w, scales).double() - ref_t).abs()
+    assert bool((err_t <= quant.int16_rounding_bound(xt, w, scales) + 1e-6 * ref_t.abs() + 1e-7).all())
+
+
+@needs_own_kernel
+def test_own_int8_kernel_neither_overflows_nor_hides_a_nan():
+    """The largest products (127 · 32767, 20,000 of them) overflow no int32 sum, and a row with a NaN or
+    an inf gives NaN/inf like the float product, not a number."""
+    assert quant._build_int8_kernel()
+    w = torch.full((3, 20000), 127, dtype=torch.int8)
+    out = torch.ops.attnlab.int8_matvec(torch.full((1, 20000), -1.0), w, torch.ones(3))
+    torch.testing.assert_close(out, torch.full((1, 3), -127.0 * 20000))
+    x = torch.randn(3, 64)
+    x[1, 3], x[2, 5] = float("nan"), float("inf")
+    w = torch.randint(1, 128, (5, 64), dtype=torch.int8)
+    out = torch.ops.attnlab.int8_matvec(x, w, torch.ones(5))
+    assert out[0].isfinite().all() and out[1].isnan().all() and (out[2] == float("inf")).all()
 
 
 @needs_own_kernel
@@ -607,7 +626,7 @@ def test_own_int8_kernel_only_where_it_is_wanted_and_can_build(monkeypatch):
 def test_compiled_step_with_attnlabs_int8_kernel_matches_the_eager_step(monkeypatch):
     """The kernel taken here whatever PyTorch's capability (the kernel is AVX2 code, which AVX-512 CPUs
     run too): its buffers are not saved, and each step's logits, with the wrapper in C++, are the eager
-    step's to float rounding, over a growing cache and two rows."""
+    fp32 step's to int16 rounding of the activations, over a growing cache and two rows."""
     from attnlab.generate.search import DecoderOnlyStepper
     monkeypatch.setattr(quant, "own_int8_kernel", quant._build_int8_kernel)
     torch.manual_seed(0)
@@ -628,7 +647,7 @@ def test_compiled_step_with_attnlabs_int8_kernel_matches_the_eager_step(monkeypa
         tok = eager.step(None).argmax(-1, keepdim=True)
         for _ in range(4):
             a, b = eager.step(tok), compiled.step(tok)
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * a.abs().max().item())
+            torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3 * a.abs().max().item())
             tok = a.argmax(-1, keepdim=True)
 
 
