@@ -247,7 +247,7 @@ class _QuantLinear(nn.Module):
         no kernel may run, let the eager path be traced."""
         on_cpu = self._portable()[0].device.type == "cpu"
         self.own_kernel = on_cpu and self.kind == "int8" and own_int8_kernel()
-        if self.own_kernel:  # fp32 activations, any shape (see the module docstring)
+        if self.own_kernel:  # it takes fp32 activations and any shape (see the module docstring)
             self.compile_dtype = torch.float32
             self.register_buffer("kernel_weight", self.weight_int8.contiguous(), persistent=False)
             self.register_buffer("kernel_scales", self.scales.float(), persistent=False)
@@ -492,7 +492,7 @@ def prepare_for_compile(model: nn.Module, dtype: torch.dtype) -> bool:
 
 def uses_own_kernel(model: nn.Module) -> bool:
     """Whether :func:`prepare_for_compile` gave any layer of ``model`` attnlab's own int8 kernel."""
-    return any(getattr(m, "own_kernel", False) for m in model.modules() if isinstance(m, _QuantLinear))
+    return any(m.own_kernel for m in model.modules() if isinstance(m, _QuantLinear))
 
 
 def quantized_kind(model: nn.Module) -> str | None:
