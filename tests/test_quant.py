@@ -1,6 +1,7 @@
 """Weight-only int8/int4 quantisation (attnlab.quant): error bounds that follow from the scales, the
 kernel path against the eager one, whole models of each family, the tied embedding, load and the CLI."""
 
+import contextlib
 import copy
 import json
 import os
@@ -498,61 +499,73 @@ def test_two_models_of_one_architecture_each_run_their_own_compiled_step(monkeyp
         assert (models[0](ids, last_only=True) - models[1](ids, last_only=True)).abs().max() > 0.1
 
 
-_CAPPED_INT8_STEP = """
-import copy, json, torch
+_CAPPED_STEP = """
+import copy, json, os, torch
 import torch.nn.functional as F
 from attnlab import accel, quant
 from attnlab.config import get_preset
 from attnlab.model import build_model
 torch.manual_seed(0)
-model = quant.quantize_model(build_model(get_preset("llama-mini", **{**TINY, "n_decoder_layers": 1})).eval(), "int8")
+model = quant.quantize_model(build_model(get_preset("llama-mini", **{**TINY, "n_decoder_layers": 1})).eval(), "int4")
 prompt = torch.randint(4, 320, (1, 5))
-exact = copy.deepcopy(model)
-for m in exact.modules():
-    if isinstance(m, quant._QuantLinear):
-        m.kernel_shape_ok = False  # the eager product in fp32 (PyTorch's kernel would take bf16 activations)
 with torch.inference_mode():
-    eager = exact(prompt, last_only=True)
+    os.environ["ATTNLAB_QUANT_KERNELS"] = "0"  # the eager dequantise-and-multiply in fp32: no kernel
+    eager = model(prompt, last_only=True)
+    del os.environ["ATTNLAB_QUANT_KERNELS"]
     step = accel.compiled_step(model, model)
     compiled = step(prompt, last_only=True)
 layers = [m for m in model.modules() if isinstance(m, quant._QuantLinear)]
 print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
-                  "own": [m.own_kernel for m in layers],
+                  "own": [m.own_kernel for m in layers], "kinds": sorted({m.kind for m in layers}),
                   "cos": F.cosine_similarity(compiled.flatten(), eager.flatten(), dim=0).item(),
                   "rel_max": ((compiled - eager).abs().max() / eager.abs().max()).item()}))
 """
 
 
 def _own_kernel_tools() -> bool:
-    """What attnlab's int8 kernel needs to build here: AVX2 + FMA, a C++ compiler and ninja."""
+    """What attnlab's kernels need to build here: AVX2, FMA and F16C, a C++ compiler and ninja."""
     from torch.utils import cpp_extension
     quant._ninja_on_path()
-    return ({"avx2", "fma"} <= accel.cpu_flags() and accel.cxx_compiler() is not None
+    return ({"avx2", "fma", "f16c"} <= accel.cpu_flags() and accel.cxx_compiler() is not None
             and cpp_extension.is_ninja_available())
 
 
-needs_own_kernel = pytest.mark.skipif(not _own_kernel_tools(), reason="no AVX2+FMA, C++ compiler or ninja here")
+needs_own_kernel = pytest.mark.skipif(not _own_kernel_tools(), reason="no AVX2+FMA+F16C, C++ compiler or ninja here")
+
+
+@contextlib.contextmanager
+def _exact_products():
+    """Every quantised layer on its eager dequantise-and-multiply in fp32 (no kernel, none of attnlab's)."""
+    old = os.environ.get("ATTNLAB_QUANT_KERNELS")
+    os.environ["ATTNLAB_QUANT_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["ATTNLAB_QUANT_KERNELS"]
+        else:
+            os.environ["ATTNLAB_QUANT_KERNELS"] = old
 
 
 @pytest.mark.skipif(not accel.can_compile("cpu") or "avx2" not in accel.cpu_flags(),
                     reason="no torch.compile here, or no AVX2 to cap at")
-def test_compiled_int8_step_on_avx2_takes_attnlabs_kernel_and_matches_eager(tmp_path):
-    """On AVX2 (here a child process capped at AVX2, with an inductor cache of its own) every int8
-    product of a compiled step is attnlab's own kernel, where it can be built, and the step's logits are
-    the eager fp32 ones to its int16 rounding (finer than the bf16 of PyTorch's kernels)."""
+def test_compiled_int4_step_on_avx2_takes_attnlabs_kernels_and_matches_eager(tmp_path):
+    """On AVX2 (here a child process capped at AVX2, with an inductor cache of its own) every product of
+    a compiled int4 step (int4 layers, int8 head) is attnlab's own kernel, where it can be built, and the
+    step's logits are the eager fp32 ones to its int16 rounding and fp16 scales."""
     import subprocess
     import sys
     env = {**os.environ, **accel.AVX2_ENVIRONMENT, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    res = subprocess.run([sys.executable, "-c", f"TINY = {TINY!r}" + _CAPPED_INT8_STEP], env=env,
+    res = subprocess.run([sys.executable, "-c", f"TINY = {TINY!r}" + _CAPPED_STEP], env=env,
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    assert r["capability"] == "AVX2"
+    assert r["capability"] == "AVX2" and r["kinds"] == ["int4", "int8"]
     if _own_kernel_tools():
         assert r["own"] and all(r["own"]), r
-        assert r["cos"] > 0.99999 and r["rel_max"] <= 1e-3, r
-    else:  # the GEMM template (or the traced eager product): bf16 activations
+        assert r["cos"] > 0.99999 and r["rel_max"] <= 2e-3, r
+    else:  # PyTorch's kernels or the GEMM template (or the traced eager product): bf16 activations
         assert not any(r["own"]) and r["cos"] > 0.999 and r["rel_max"] <= 0.05, r
 
 
@@ -563,7 +576,7 @@ def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
     """attnlab::int8_matvec against the product in float64: within the bound its int16 activations give
     (half a step of each row's grid, times |w|·scale), for every tail of the 64- and 16-wide loops, more
     rows than one, rows split over threads and a row longer than one int32 block."""
-    assert quant._build_int8_kernel()
+    assert quant._build_own_kernels()
     g = torch.Generator().manual_seed(M * K + N)
     x = torch.randn(M, K, generator=g)
     x[0, 0] = 8.0  # an outlier: the row's grid is coarser, the bound with it
@@ -582,72 +595,148 @@ def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
 
 
 @needs_own_kernel
-def test_own_int8_kernel_neither_overflows_nor_hides_a_nan():
-    """The largest products (127 · 32767, 20,000 of them) overflow no int32 sum, and a row with a NaN or
-    an inf gives NaN/inf like the float product, not a number."""
-    assert quant._build_int8_kernel()
+@pytest.mark.parametrize("M,K,N,group", [(1, 576, 1536, 32), (1, 1, 3, 32), (2, 7, 5, 32), (3, 33, 64, 64),
+                                         (5, 100, 257, 32), (8, 1000, 40, 128), (1, 9000, 3, 32), (2, 1536, 9, 64)])
+def test_own_int4_kernel_is_the_product_to_its_int16_rounding(M, K, N, group):
+    """attnlab::int4_matvec against the product in float64 of the weight its layout stands for: within
+    the int16 rounding of the activations (on q·scale, the part that meets them) and fp32's of each
+    product. That weight is the layer's own to fp16's rounding of scale and minimum, exactly so where they
+    are fp16 values (a GGUF's Q4_1 blocks). Every tail: inputs no multiple of 64 or of a group, groups of
+    64 and 128, a last row read with its padding, rows split over threads."""
+    assert quant._build_own_kernels()
+    g = torch.Generator().manual_seed(M * K + N + group)
+    lin = nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=g))
+    layer = Int4Linear.from_linear(lin, group)
+    t = layer._own_tensors()
+    scaled, rest = (p[:, :K] for p in quant.own_int4_parts(t["kernel_weight"], t["kernel_scales"], t["kernel_mins"]))
+    weight = layer.dequantize().double()
+    fp16_step = (layer.scales_and_zeros.abs().amax() * 32 / 2048).item()  # ≥ fp16 rounding of scale·q + min
+    assert (scaled + rest - weight).abs().max() <= fp16_step
+    x = torch.randn(M, K, generator=g)
+    x[0, 0] = 8.0
+    out = torch.ops.attnlab.int4_matvec(x, t["kernel_weight"], t["kernel_scales"], t["kernel_mins"])
+    ref = F.linear(x.double(), scaled + rest)
+    assert out.dtype == torch.float32 and out.shape == (M, N)
+    assert bool(((out.double() - ref).abs() <= quant.own_kernel_error_bound(x, scaled, rest)).all())
+    assert (out.double() - ref).abs().max() < 2e-3 * ref.abs().max()
+    with torch.no_grad():  # fp16 scales and minimums (GGUF Q4_1): the layout's weight is the layer's, exactly
+        scale, zero = layer.scales_and_zeros.unbind(-1)
+        scale16 = scale.half().float()
+        layer.set_int4(layer.unpacked(), scale16, (zero - 8 * scale).half().float() + 8 * scale16)
+    t = layer._own_tensors()
+    exact = sum(quant.own_int4_parts(t["kernel_weight"], t["kernel_scales"], t["kernel_mins"]))[:, :K]
+    torch.testing.assert_close(exact, layer.dequantize().double(), rtol=0, atol=1e-5)
+
+
+@needs_own_kernel
+def test_own_kernels_neither_overflow_nor_hide_a_nan():
+    """The largest products (127 · 32767, or 15 · 32767, 20,000 of them) overflow no int32 sum, and a row
+    with a NaN or an inf gives NaN/inf like the float product, not a number."""
+    assert quant._build_own_kernels()
     w = torch.full((3, 20000), 127, dtype=torch.int8)
     out = torch.ops.attnlab.int8_matvec(torch.full((1, 20000), -1.0), w, torch.ones(3))
     torch.testing.assert_close(out, torch.full((1, 3), -127.0 * 20000))
+    q4 = torch.full((3, 9984), 255, dtype=torch.uint8)  # 19,968 inputs, every nibble 15
+    ones = torch.ones(3, 624, dtype=torch.half)
+    out = torch.ops.attnlab.int4_matvec(torch.full((1, 19968), -1.0), q4, ones, ones)
+    torch.testing.assert_close(out, torch.full((1, 3), -16.0 * 19968), rtol=1e-5, atol=0)  # the blocks add in fp32
     x = torch.randn(3, 64)
     x[1, 3], x[2, 5] = float("nan"), float("inf")
-    w = torch.randint(1, 128, (5, 64), dtype=torch.int8)
-    out = torch.ops.attnlab.int8_matvec(x, w, torch.ones(5))
+    out = torch.ops.attnlab.int8_matvec(x, torch.randint(1, 128, (5, 64), dtype=torch.int8), torch.ones(5))
+    assert out[0].isfinite().all() and out[1].isnan().all() and (out[2] == float("inf")).all()
+    pos = torch.ones(5, 2, dtype=torch.half)
+    out = torch.ops.attnlab.int4_matvec(x, torch.randint(0, 256, (5, 32), dtype=torch.uint8), pos, pos)
     assert out[0].isfinite().all() and out[1].isnan().all() and (out[2] == float("inf")).all()
 
 
 @needs_own_kernel
-def test_own_int8_kernel_says_what_does_not_fit():
-    assert quant._build_int8_kernel()
+def test_own_kernels_say_what_does_not_fit():
+    assert quant._build_own_kernels()
     x, w, s = torch.randn(2, 16), torch.zeros(4, 16, dtype=torch.int8), torch.ones(4)
     with pytest.raises(RuntimeError, match="do not fit"):
         torch.ops.attnlab.int8_matvec(x, w[:, :8], s)
     with pytest.raises(RuntimeError, match="fp32 x, int8 w"):
         torch.ops.attnlab.int8_matvec(x.bfloat16(), w, s)
+    w4, s4 = torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2, dtype=torch.half)
+    with pytest.raises(RuntimeError, match="do not fit"):  # 80 inputs: more than the 64 of the layout
+        torch.ops.attnlab.int4_matvec(torch.randn(2, 80), w4, s4, s4)
+    with pytest.raises(RuntimeError, match="do not fit"):  # one scale per 32 inputs: 2 here, not 1
+        torch.ops.attnlab.int4_matvec(x, w4, s4[:, :1], s4[:, :1])
+    with pytest.raises(RuntimeError, match="fp16 scales"):
+        torch.ops.attnlab.int4_matvec(x, w4, s4.float(), s4.float())
 
 
-def test_own_int8_kernel_only_where_it_is_wanted_and_can_build(monkeypatch):
-    """Never where PyTorch runs AVX-512 (the GEMM template is faster there) or ``ATTNLAB_INT8_KERNEL=0``;
-    without ninja it is not tried and the template serves."""
+def test_own_kernels_only_where_wanted_and_can_build(monkeypatch):
+    """Never where PyTorch runs AVX-512 (its kernels and inductor's template are faster there) or
+    ``ATTNLAB_OWN_KERNELS=0``; without ninja they are not tried and PyTorch's kernels serve."""
     from torch.utils import cpp_extension
-    monkeypatch.setattr(quant, "_OWN_INT8", {})
+    monkeypatch.setattr(quant, "_OWN", {})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert not quant.own_int8_kernel()
+    assert not quant.own_kernels()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setenv("ATTNLAB_INT8_KERNEL", "0")
-    assert not quant.own_int8_kernel()
-    monkeypatch.delenv("ATTNLAB_INT8_KERNEL")
+    monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
+    assert not quant.own_kernels()
+    monkeypatch.delenv("ATTNLAB_OWN_KERNELS")
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
-    assert not quant.own_int8_kernel() and quant._OWN_INT8 == {"ok": False}
+    assert not quant.own_kernels() and quant._OWN == {"ok": False}
+
+
+@needs_own_kernel
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_eager_layer_takes_attnlabs_kernel_for_a_few_rows(monkeypatch, kind):
+    """Where attnlab's kernels serve, the eager layer runs them for up to OWN_KERNEL_MAX_ROWS rows of
+    any float dtype (fp32 in, the input's dtype out; the same numbers as the op itself), and what it ran
+    before for more rows (PyTorch's kernels or the dense dequantised product) or where a gradient is wanted."""
+    monkeypatch.setattr(quant, "own_kernels", quant._build_own_kernels)
+    assert quant.own_kernels()
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 48)
+    layer = Int8Linear.from_linear(lin) if kind == "int8" else Int4Linear.from_linear(lin, 32)
+    t = layer._own_tensors()
+    x = torch.randn(2, 3, 96)  # 6 rows
+    with torch.no_grad():
+        own = layer._own_product(x.reshape(-1, 96), **t).reshape(2, 3, 48) + layer.bias
+        torch.testing.assert_close(layer(x), own, rtol=0, atol=0)
+        assert layer(x.bfloat16()).dtype == torch.bfloat16
+        many = torch.randn(quant.OWN_KERNEL_MAX_ROWS + 1, 96)
+        got_many = layer(many)
+    xg = x.clone().requires_grad_()
+    got_grad = layer(xg)
+    monkeypatch.setattr(quant, "own_kernels", lambda: False)  # what the layer does without them
+    with torch.no_grad():
+        torch.testing.assert_close(got_many, layer(many), rtol=0, atol=0)
+    torch.testing.assert_close(got_grad, layer._eager(xg), rtol=0, atol=0)
 
 
 @needs_own_kernel
 @pytest.mark.skipif(not accel.can_compile("cpu"), reason="no torch.compile here (no C++ compiler, or ATTNLAB_COMPILE=0)")
-def test_compiled_step_with_attnlabs_int8_kernel_matches_the_eager_step(monkeypatch):
-    """The kernel taken here whatever PyTorch's capability (the kernel is AVX2 code, which AVX-512 CPUs
-    run too): its buffers are not saved, and each step's logits, with the wrapper in C++, are the eager
-    fp32 step's to int16 rounding of the activations, over a growing cache and two rows."""
+def test_compiled_step_with_attnlabs_kernels_matches_the_eager_step(monkeypatch):
+    """The kernels taken here whatever PyTorch's capability (they are AVX2 code, which AVX-512 CPUs run
+    too), int4 layers and the int8 head: their buffers are not saved, and each step's logits, with the
+    wrapper in C++, are the exact eager fp32 step's to the kernels' rounding, over a growing cache and
+    two rows."""
     from attnlab.generate.search import DecoderOnlyStepper
-    monkeypatch.setattr(quant, "own_int8_kernel", quant._build_int8_kernel)
+    monkeypatch.setattr(quant, "own_kernels", quant._build_own_kernels)
     torch.manual_seed(0)
-    model = quantize_model(_model("llama-mini", n_decoder_layers=1), "int8")
+    model = quantize_model(_model("llama-mini", n_decoder_layers=1), "int4")
     keys = set(model.state_dict())
-    exact = copy.deepcopy(model)
-    for m in exact.modules():
-        if isinstance(m, quant._QuantLinear):
-            m.kernel_shape_ok = False  # the eager product in fp32 (PyTorch's kernel takes bf16 on x86)
     prompt = torch.randint(4, 320, (2, 5))
     with torch.inference_mode():
-        eager = DecoderOnlyStepper(exact, prompt, None, capacity=16)
+        eager = DecoderOnlyStepper(model, prompt, None, capacity=16)
         compiled = DecoderOnlyStepper(model, prompt, None, capacity=16, compile=True)
         assert quant.uses_own_kernel(model)
         assert all(m.own_kernel for m in model.modules() if isinstance(m, quant._QuantLinear))
         assert set(model.state_dict()) == keys
-        compiled.step(None)  # the prompt: eager in both (its head product has 2 rows: PyTorch's bf16 kernel)
-        tok = eager.step(None).argmax(-1, keepdim=True)
+        compiled.step(None)  # the prompt: eager
+        with _exact_products():
+            tok = eager.step(None).argmax(-1, keepdim=True)
         for _ in range(4):
-            a, b = eager.step(tok), compiled.step(tok)
-            torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3 * a.abs().max().item())
+            with _exact_products():
+                a = eager.step(tok)
+            b = compiled.step(tok)
+            torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-3 * a.abs().max().item())
             tok = a.argmax(-1, keepdim=True)
 
 

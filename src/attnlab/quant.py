@@ -89,46 +89,53 @@ INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_MAX_ROWS = {"int8": 8, "int4": 64}
 
 
-_OWN_INT8: dict = {}  # "ok" → whether attnlab::int8_matvec is built, registered and right (once per process)
+OWN_KERNEL_MAX_ROWS = 8  # attnlab's kernels read each weight row once per row of x (a few rows: decoding)
+_OWN: dict = {}  # "ok" → whether attnlab's kernels are built, registered and right (once per process)
 
 
-def own_int8_kernel() -> bool:
-    """Whether the compiled step's int8 products are attnlab's AVX2 kernel (``csrc/int8_matvec.cpp``):
-    only where PyTorch's own CPU capability is AVX2 (on AVX-512 inductor's template is faster), on an
-    x86 CPU with AVX2 and FMA, not ``ATTNLAB_INT8_KERNEL=0`` (nor ``ATTNLAB_QUANT_KERNELS=0``), and where the kernel builds and agrees
-    with the eager product (tried once per process; a failure is one debug line, and the template)."""
-    if _env_off("ATTNLAB_INT8_KERNEL") or _env_off("ATTNLAB_QUANT_KERNELS"):
-        _once("int8-own-off", "attnlab's AVX2 int8 kernel off (ATTNLAB_INT8_KERNEL=0 or ATTNLAB_QUANT_KERNELS=0)")
+def own_kernels() -> bool:
+    """Whether the int8 and int4 products are attnlab's own AVX2 kernels (``csrc/quant_matvec.cpp``):
+    only where PyTorch's own CPU capability is AVX2 (on AVX-512 PyTorch's kernels and inductor's template
+    are faster), on an x86 CPU with AVX2, FMA and F16C, not ``ATTNLAB_OWN_KERNELS=0`` (nor
+    ``ATTNLAB_QUANT_KERNELS=0``), and where they build and agree with the exact product (tried once per
+    process; a failure is one debug line, and PyTorch's kernels)."""
+    if _env_off("ATTNLAB_OWN_KERNELS") or _env_off("ATTNLAB_QUANT_KERNELS"):
+        _once("own-off", "attnlab's AVX2 int8/int4 kernels off (ATTNLAB_OWN_KERNELS=0 or ATTNLAB_QUANT_KERNELS=0)")
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX2" or not _x86():
         return False
-    if "ok" not in _OWN_INT8:
-        _OWN_INT8["ok"] = _build_int8_kernel()
-    return _OWN_INT8["ok"]
+    if "ok" not in _OWN:
+        _OWN["ok"] = _build_own_kernels()
+    return _OWN["ok"]
 
 
-def _build_int8_kernel() -> bool:
-    """Build (or load from torch's extension cache) and register ``attnlab::int8_matvec``, register
-    its shape function for tracing, and check it against the eager product on an awkward shape."""
+def _build_own_kernels() -> bool:
+    """Build (or load from torch's extension cache) and register ``attnlab::int8_matvec`` and
+    ``attnlab::int4_matvec``, register their shape functions for tracing, and check both against the
+    exact product on awkward shapes (inputs that are no multiple of 16 or of a group)."""
     from . import accel
-    if not {"avx2", "fma"} <= accel.cpu_flags():
-        _once("int8-own-isa", "attnlab's int8 kernel needs AVX2 and FMA: not on this CPU")
+    if not {"avx2", "fma", "f16c"} <= accel.cpu_flags():
+        _once("own-isa", "attnlab's quantised kernels need AVX2, FMA and F16C: not on this CPU")
         return False
     try:
         from torch.utils import cpp_extension
         _ninja_on_path()
         if accel.cxx_compiler() is None or not cpp_extension.is_ninja_available():
-            _once("int8-own-tools", "attnlab's int8 kernel needs a C++ compiler and ninja (pip install ninja): "
-                  "inductor's GEMM template instead")
+            _once("own-tools", "attnlab's quantised kernels need a C++ compiler and ninja (pip install ninja): "
+                  "PyTorch's kernels instead")
             return False
-        if not hasattr(torch.ops.attnlab, "int8_matvec"):
-            source = os.path.join(os.path.dirname(__file__), "csrc", "int8_matvec.cpp")
+        if not hasattr(torch.ops.attnlab, "int4_matvec"):
+            source = os.path.join(os.path.dirname(__file__), "csrc", "quant_matvec.cpp")
             # -fopenmp: at::parallel_for is PyTorch's OpenMP loop, serial in code built without it
-            cpp_extension.load(name="attnlab_int8_matvec", sources=[source], is_python_module=False,
-                               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            cpp_extension.load(name="attnlab_quant_matvec", sources=[source], is_python_module=False,
+                               extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
             @torch.library.register_fake("attnlab::int8_matvec")
             def _(x, w, scales):  # (M, K), (N, K), (N,) → (M, N)
+                return x.new_empty(x.shape[0], w.shape[0])
+
+            @torch.library.register_fake("attnlab::int4_matvec")
+            def _(x, w, scales, mins):  # (M, K), (N, Kp/2), (N, Kp/32), (N, Kp/32) → (M, N)
                 return x.new_empty(x.shape[0], w.shape[0])
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(3, 77, generator=g), torch.randint(-127, 128, (40, 77), dtype=torch.int8, generator=g)
@@ -136,18 +143,46 @@ def _build_int8_kernel() -> bool:
         ref = F.linear(x.double(), w.double()) * scales.double()
         err = (torch.ops.attnlab.int8_matvec(x, w, scales).double() - ref).abs()
         ok = bool((err <= int16_rounding_bound(x, w, scales) + 1e-5 * ref.abs()).all())
+        lin = nn.Linear(77, 40, bias=False)
+        with torch.no_grad():
+            lin.weight.normal_(generator=g)
+        layer = Int4Linear.from_linear(lin, 32)
+        t = layer._own_tensors()
+        scaled, rest = (p[:, :77] for p in own_int4_parts(t["kernel_weight"], t["kernel_scales"], t["kernel_mins"]))
+        err = (layer._own_product(x, **t).double() - F.linear(x.double(), scaled + rest)).abs()
+        ok = ok and bool((err <= own_kernel_error_bound(x, scaled, rest)).all())
         if not ok:
-            _once("int8-own-wrong", "attnlab's int8 kernel gives wrong results here: inductor's GEMM template instead")
+            _once("own-wrong", "attnlab's quantised kernels give wrong results here: PyTorch's kernels instead")
         return ok
-    except Exception as e:  # a compiler that cannot build it, a failed load: the template serves
-        _once("int8-own-build", f"attnlab's int8 kernel did not build ({str(e).strip().splitlines()[:2]}): "
-              "inductor's GEMM template instead")
+    except Exception as e:  # a compiler that cannot build it, a failed load: PyTorch's kernels serve
+        _once("own-build", f"attnlab's quantised kernels did not build ({str(e).strip().splitlines()[:2]}): "
+              "PyTorch's kernels instead")
         return False
 
 
+def own_int4_parts(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    """``attnlab::int4_matvec``'s layout (csrc/quant_matvec.cpp) as two (N, Kp) float64 matrices,
+    ``q · scale`` and ``min``: their sum is the weight the kernel multiplies by (its oracle); only the
+    first meets the int16 activations."""
+    N = weight.shape[0]
+    words = weight.view(N, -1, 32).view(torch.int16).int() & 0xFFFF  # (N, Kp/64, 16) little-endian words
+    nibbles = torch.stack([(words >> (4 * j)) & 15 for j in range(4)], dim=2)  # (N, Kp/64, 4: j, 16: i)
+    q = nibbles.view(N, -1, 4, 2, 8).transpose(2, 3).reshape(N, -1).double()  # input 64b + 32·(i≥8) + 8j + i%8
+    return q * scales.double().repeat_interleave(32, dim=1), mins.double().repeat_interleave(32, dim=1)
+
+
+def own_kernel_error_bound(x: torch.Tensor, scaled: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:
+    """How far attnlab's kernels may be from the exact product ``x @ (scaled + rest)ᵀ`` (M, N): the int16
+    rounding of the activations (:func:`int16_rounding_bound`) on the part that meets them, and fp32's
+    rounding (1e-5) of every product's size, cancellations included."""
+    size = x.abs().double() @ (scaled.abs() + (0 if rest is None else rest.abs())).t()
+    return int16_rounding_bound(x, scaled, torch.ones(scaled.shape[0], dtype=torch.float64)) + 1e-5 * size
+
+
 def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """How far ``attnlab::int8_matvec`` may be from the exact product (M, N): each activation moves by at
-    most half a step of its row's int16 grid (max |x| / 65534), each product by that times |w|·scale."""
+    """How far ``attnlab::int8_matvec`` (or ``int4_matvec``, with ``w`` its float weight and scales 1) may be
+    from the exact product (M, N): each activation moves by at most half a step of its row's int16 grid
+    (max |x| / 65534), each product by that times |w|·scale."""
     step = x.abs().double().amax(dim=1, keepdim=True) / 65534  # (M, 1)
     return step * (w.abs().double().sum(dim=1) * scales.abs().double())  # (M, N)
 
@@ -239,23 +274,22 @@ class _QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._derived: dict = {}  # key → (stamp of the buffers it came from, tensor)
         self.compile_dtype: torch.dtype | None = None  # set by prepare_for_compile: the kernel runs traced
-        self.own_kernel = False  # set by prepare_for_compile: that kernel is attnlab::int8_matvec
+        self.own_kernel = False  # set by prepare_for_compile: the traced kernel is attnlab's own
 
     def prepare_for_compile(self, dtype: torch.dtype) -> None:
         """Before ``torch.compile`` traces this layer with ``dtype`` activations: register the kernel's
         tensors as (non-persistent) buffers — traced code cannot use the data-pointer cache — or, where
         no kernel may run, let the eager path be traced."""
         on_cpu = self._portable()[0].device.type == "cpu"
-        self.own_kernel = on_cpu and self.kind == "int8" and own_int8_kernel()
-        if self.own_kernel:  # it takes fp32 activations and any shape (see the module docstring)
-            self.compile_dtype = torch.float32
-            self.register_buffer("kernel_weight", self.weight_int8.contiguous(), persistent=False)
-            self.register_buffer("kernel_scales", self.scales.float(), persistent=False)
-            return
-        self.compile_dtype = self._kernel_dtype_for(dtype) if on_cpu and self.kernel_shape_ok else None
-        if self.compile_dtype is not None:
-            for name, t in self._kernel_tensors(self.compile_dtype).items():
-                self.register_buffer(name, t, persistent=False)
+        own = self._own_tensors() if on_cpu and own_kernels() else None
+        self.own_kernel = own is not None
+        if own is not None:  # attnlab's kernels take fp32 activations and any shape (see the module docstring)
+            self.compile_dtype, tensors = torch.float32, own
+        else:
+            self.compile_dtype = self._kernel_dtype_for(dtype) if on_cpu and self.kernel_shape_ok else None
+            tensors = {} if self.compile_dtype is None else self._kernel_tensors(self.compile_dtype)
+        for name, t in tensors.items():
+            self.register_buffer(name, t, persistent=False)
 
     def _portable(self) -> list[torch.Tensor]:
         """The buffers that define the layer (what a state dict holds)."""
@@ -267,11 +301,22 @@ class _QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._eager(x) if self.compile_dtype is None else self._compiled(x)
+        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        if self._own_may_run(x):
+            tensors = self._cached("own", self._own_tensors)
+            if tensors is not None:
+                out = self._own_product(x.reshape(-1, self.in_features).float(), **tensors)  # (M, N)
+                return self._add_bias(out.reshape(*x.shape[:-1], self.out_features).to(out_dtype))
         dtype = self._kernel_dtype(x)
         if dtype is None:
             return self._eager(x)
-        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
         return self._kernel(x.to(dtype)).to(out_dtype)
+
+    def _own_may_run(self, x: torch.Tensor) -> bool:
+        """Whether attnlab's own kernel may take ``x`` (eager): a few rows on the CPU, no gradient."""
+        return (x.device.type == "cpu" and 0 < x.numel() and x.numel() // x.shape[-1] <= OWN_KERNEL_MAX_ROWS
+                and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and not (torch.is_grad_enabled() and x.requires_grad) and own_kernels())
 
     def _kernel_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype to run the kernel in, or None for the eager path."""
@@ -291,8 +336,10 @@ class _QuantLinear(nn.Module):
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel as torch.compile traces it: on the buffers ``prepare_for_compile`` registered."""
         x2 = x.reshape(-1, self.in_features).to(self.compile_dtype)  # (M, K)
-        product = torch.ops.attnlab.int8_matvec if self.own_kernel else self._product
-        out = product(x2, self.kernel_weight, self.kernel_scales)  # (M, N)
+        if self.own_kernel:
+            out = self._own_product(x2, self.kernel_weight, self.kernel_scales, getattr(self, "kernel_mins", None))
+        else:
+            out = self._product(x2, self.kernel_weight, self.kernel_scales)  # (M, N)
         return self._add_bias(out.reshape(*x.shape[:-1], self.out_features).to(x.dtype))
 
     def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
@@ -365,6 +412,12 @@ class Int8Linear(_QuantLinear):
 
     def _product(self, x2, weight, scales):
         return torch.ops.aten._weight_int8pack_mm(x2, weight, scales)
+
+    def _own_tensors(self) -> dict:
+        return {"kernel_weight": self.weight_int8.contiguous(), "kernel_scales": self.scales.float()}
+
+    def _own_product(self, x2, kernel_weight, kernel_scales, kernel_mins=None):
+        return torch.ops.attnlab.int8_matvec(x2, kernel_weight, kernel_scales)
 
 
 class Int4Linear(_QuantLinear):
@@ -452,6 +505,29 @@ class Int4Linear(_QuantLinear):
     def _product(self, x2, weight, scales_and_zeros):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, self.group_size, scales_and_zeros)
 
+    def _own_tensors(self) -> dict | None:
+        """attnlab::int4_matvec's layout (csrc/quant_matvec.cpp): per 64 inputs 16 words of 4 nibbles, an
+        fp16 scale and minimum per 32 inputs, ``W = q · scale + min``. None where that kernel cannot take
+        this layer: groups that are no multiple of 32, or a scale or minimum beyond fp16's range."""
+        if self.group_size % 32:
+            return None
+        N, K = self.out_features, self.in_features
+        Kp = -(-K // 64) * 64
+        q = F.pad(self.unpacked()[:, :K], (0, Kp - K))  # (N, Kp)
+        q = q.view(N, -1, 2, 4, 8).transpose(2, 3).reshape(N, -1, 4, 16).to(torch.int32)  # (N, Kp/64, j, i)
+        words = q[:, :, 0] | (q[:, :, 1] << 4) | (q[:, :, 2] << 8) | (q[:, :, 3] << 12)  # (N, Kp/64, 16)
+        weight = words.to(torch.int16).view(torch.uint8).reshape(N, Kp // 2)  # little-endian, as the kernel reads
+        scale, zero = self.scales_and_zeros.float().unbind(-1)  # (G, N) each
+        per32 = lambda t: F.pad(t.t().repeat_interleave(self.group_size // 32, dim=1)[:, : -(-K // 32)],
+                                (0, Kp // 32 - -(-K // 32)))  # (N, Kp/32): padding 0
+        scales, mins = per32(scale).half(), per32(zero - 8 * scale).half()  # W = q·scale + min
+        if not (scales.isfinite().all() and mins.isfinite().all()):
+            return None
+        return {"kernel_weight": weight.contiguous(), "kernel_scales": scales.contiguous(), "kernel_mins": mins.contiguous()}
+
+    def _own_product(self, x2, kernel_weight, kernel_scales, kernel_mins):
+        return torch.ops.attnlab.int4_matvec(x2, kernel_weight, kernel_scales, kernel_mins)
+
 
 # -- the model ------------------------------------------------------------------------------------------------
 
@@ -491,7 +567,7 @@ def prepare_for_compile(model: nn.Module, dtype: torch.dtype) -> bool:
 
 
 def uses_own_kernel(model: nn.Module) -> bool:
-    """Whether :func:`prepare_for_compile` gave any layer of ``model`` attnlab's own int8 kernel."""
+    """Whether :func:`prepare_for_compile` gave any layer of ``model`` attnlab's own kernel."""
     return any(m.own_kernel for m in model.modules() if isinstance(m, _QuantLinear))
 
 
@@ -501,5 +577,5 @@ def quantized_kind(model: nn.Module) -> str | None:
     return "+".join(kinds) or None
 
 
-__all__ = ["quantize_model", "quantized_kind", "prepare_for_compile", "uses_own_kernel", "own_int8_kernel", "Int8Linear", "Int4Linear", "quant_kernels_ok", "kernel_dtype",
+__all__ = ["quantize_model", "quantized_kind", "prepare_for_compile", "uses_own_kernel", "own_kernels", "Int8Linear", "Int4Linear", "quant_kernels_ok", "kernel_dtype",
            "check_kind", "KINDS"]

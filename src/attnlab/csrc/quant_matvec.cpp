@@ -1,0 +1,270 @@
+// The products of weight-only quantised decoding on CPUs with AVX2 + FMA (+ F16C), for a few rows of fp32
+// activations x (M, K):
+//   attnlab::int8_matvec  y = (x · Wᵀ) ⊙ scales, int8 weights W (N, K), one fp32 scale per output channel
+//                         (attnlab.quant.Int8Linear);
+//   attnlab::int4_matvec  4-bit weights, a scale and a minimum per group of inputs (attnlab.quant.Int4Linear,
+//                         llama.cpp's Q4_1), in the layout described above int4_matvec below.
+//
+// Why a kernel of our own: decoding one token reads every weight once, so the product should run at
+// the memory's speed. PyTorch's _weight_int8pack_mm and inductor's GEMM template are built around
+// bf16 activations and AVX-512; capped at AVX2 they read SmolLM2's int8 weights at ~7 and ~20 GB/s.
+// Here each weight row is read once, 64 int8 at a time, widened to int16 and multiplied against the row
+// of activations rounded to int16 (one scale per row, finer than bf16's rounding for all but tiny
+// elements), summed exactly in int32, the rows split over PyTorch's own threads. Built on first use by
+// torch.utils.cpp_extension (attnlab.quant._build_own_kernels).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 int8 weights at p, widened to fp32
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+float dot(const float* x, const int8_t* w, int64_t K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {  // four independent accumulators hide the FMA latency
+    a0 = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(x + k), a0);
+    a1 = _mm256_fmadd_ps(widen8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+    a2 = _mm256_fmadd_ps(widen8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+    a3 = _mm256_fmadd_ps(widen8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(x + k), a0);
+  float s = horizontal_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; k < K; ++k) s += x[k] * static_cast<float>(w[k]);
+  return s;
+}
+
+// The same dot product with the activations as int16 (q = round(x / xscale)): 16 weights at a time widened
+// to int16 and multiplied-and-paired into int32 by one instruction (vpmaddwd), half the work per weight of
+// the float form above, which is what limits one core here. Each int32 lane gains at most 2·127·32767 per
+// 16 inputs, so the four accumulators together hold 256 such steps (K = 4096) without overflow; longer
+// rows are summed in blocks of that length, in int64.
+constexpr int64_t kInt16Block = 4096;
+// rows of W ahead of the one being multiplied whose bytes are asked for in advance
+constexpr int64_t kAheadRows = 8;
+
+inline __m256i widen16(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i load16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+int64_t dot_int16(const int16_t* x, const int8_t* w, int64_t K) {
+  int64_t total = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += kInt16Block) {
+    const int64_t k1 = std::min(K, k0 + kInt16Block);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = k0;
+    for (; k + 64 <= k1; k += 64) {
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(widen16(w + k), load16(x + k)));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(widen16(w + k + 16), load16(x + k + 16)));
+      a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(widen16(w + k + 32), load16(x + k + 32)));
+      a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(widen16(w + k + 48), load16(x + k + 48)));
+    }
+    for (; k + 16 <= k1; k += 16) a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(widen16(w + k), load16(x + k)));
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)));
+    for (int i = 0; i < 8; ++i) total += lanes[i];
+    for (; k < k1; ++k) total += static_cast<int32_t>(x[k]) * w[k];
+  }
+  return total;
+}
+
+at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scales.dim() == 1, "int8_matvec: x (M, K), w (N, K), scales (N,)");
+  TORCH_CHECK(x.size(1) == w.size(1) && scales.size(0) == w.size(0), "int8_matvec: x ", x.sizes(), ", w ", w.sizes(),
+              ", scales ", scales.sizes(), " do not fit");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
+              "int8_matvec: expects fp32 x, int8 w, fp32 scales");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scales.device().is_cpu(), "int8_matvec: CPU tensors only");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous();
+  const int64_t M = xc.size(0), N = wc.size(0), K = wc.size(1);
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Each row of x as int16 with its own scale: max|x| ↦ 32767. Rounding moves an element by at most
+  // max|x| / 65534, less than bf16's rounding (2^-9 of itself) for every element within 128x of its row's
+  // largest. A row that is not finite takes the float dot product, so NaN and inf come out as they would.
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xscale(M, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * K;
+    float big = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      big = std::max(big, std::fabs(xr[k]));
+      finite = finite && std::isfinite(xr[k]);
+    }
+    if (!finite) { xscale[m] = NAN; continue; }
+    xscale[m] = big > 0.f ? big / 32767.f : 1.f;
+    const float inv = 1.f / xscale[m];
+    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+  }
+  // rows of W per task: enough work per thread that starting it costs little (~32 KB of weights)
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* wr = wp + n * K;
+      if (n + kAheadRows < n1)  // the memory's own prefetcher alone leaves it waiting (measured)
+        for (int64_t off = 0; off < K; off += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + kAheadRows * K + off), _MM_HINT_T0);
+      for (int64_t m = 0; m < M; ++m) {  // a few rows: the weight row stays in L1 between them
+        yp[m * N + n] = std::isnan(xscale[m])
+            ? dot(xp + m * K, wr, K) * sp[n]
+            : static_cast<float>(static_cast<double>(dot_int16(xq.data() + m * K, wr, K)) * xscale[m]) * sp[n];
+      }
+    }
+  });
+  return y;
+}
+
+// -- int4 ------------------------------------------------------------------------------------------------
+//
+// Layout (made by attnlab.quant.Int4Linear._own_tensors from the portable one), chosen so that the 4-bit
+// values become int16 with one shift and one mask each, and no shuffle:
+//   w (N, Kp/2) uint8, Kp = K rounded up to 64: 64 inputs per 32 bytes, read as 16 uint16 words; nibble j
+//     (bits 4j…4j+3) of word i holds input 8j + i of the block's first 32 inputs for i < 8, and input
+//     8j + (i - 8) of its last 32 for i ≥ 8;
+//   scales, mins (N, Kp/32) fp16, one per 32 inputs: W[n, k] = q · scale + min with q in 0…15 (a group of
+//     64 or 128 inputs repeats its scale and min; the padding has q = scale = min = 0).
+// fp16 scales (as in llama.cpp's Q4_1 blocks) make 32 weights 20 bytes: 0.625 bytes per weight, against
+// int8's 1.
+//
+// Per row: Σ_k W x = Σ_b scale_b · Σ_{k∈b} q_k x_k + Σ_b min_b · Σ_{k∈b} x_k. The first sum runs on the int16
+// activations, rounded as in int8_matvec and put in the order of the nibbles once per call (exact int32
+// sums per 64 inputs, ≤ 8 · 15 · 32767 per lane, so exact in fp32 too); the sums of x per 32 inputs are fp32
+// sums of the activations themselves.
+constexpr int64_t kInt4Block = 64;
+
+// One row: xscale · Σ_b scale_b · Σ_{k∈b} q_k xq_k + Σ_b min_b · xsum_b, over the 32-input blocks b of the
+// row, xq in the nibbles' order and xsum as 8 floats per 64 inputs (lane 0: the first 32's sum, lane 4: the
+// last 32's, the others 0). The scales and minimums of 4 × 64 inputs are read as 8 fp16 at once: at a row's
+// end that reads up to 7 values past it (the next row's, or a padded copy for the last row), which no lane
+// uses. Two accumulators, so that consecutive blocks' multiply-adds do not wait for each other.
+float dot_int4(const int16_t* xq, const float* xsum, float xscale, const uint8_t* w, const at::Half* scales,
+               const at::Half* mins, int64_t blocks) {
+  const __m256i mask = _mm256_set1_epi16(0x000F);
+  static const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                                  _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_min = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
+    const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * b0)));
+    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + 2 * b0)));
+    for (int64_t t = 0; t < std::min<int64_t>(4, blocks - b0); ++t) {
+      const int64_t b = b0 + t;
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * b));
+      const int16_t* x = xq + kInt4Block * b;
+      const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, mask), load16(x)),
+                                           _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), load16(x + 16)));
+      const __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), mask), load16(x + 32)),
+                                           _mm256_madd_epi16(_mm256_srli_epi16(v, 12), load16(x + 48)));
+      // lanes 0-3 hold the first 32 inputs' sum, lanes 4-7 the last 32's
+      acc[t & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s01, s23)), _mm256_permutevar8x32_ps(s8, pick[t]), acc[t & 1]);
+      acc_min = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(m8, pick[t]), _mm256_loadu_ps(xsum + 8 * b), acc_min);
+    }
+  }
+  return horizontal_sum(_mm256_fmadd_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_set1_ps(xscale), acc_min));
+}
+
+// where input k of a row sits in the nibbles' order
+inline int64_t nibble_position(int64_t k) {
+  const int64_t b = k / kInt4Block, r = k % kInt4Block, half = r / 32, j = (r % 32) / 8, i = r % 8 + 8 * half;
+  return kInt4Block * b + 16 * j + i;
+}
+
+at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scales.dim() == 2 && mins.dim() == 2,
+              "int4_matvec: x (M, K), w (N, Kp/2), scales and mins (N, Kp/32)");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = 2 * w.size(1), G = Kp / 32;
+  TORCH_CHECK(Kp % kInt4Block == 0 && K <= Kp && scales.size(0) == N && scales.size(1) == G && mins.sizes() == scales.sizes(),
+              "int4_matvec: x ", x.sizes(), ", w ", w.sizes(), ", scales ", scales.sizes(), ", mins ", mins.sizes(),
+              " do not fit (w holds a multiple of 64 inputs per row, at least K; one scale and min per 32)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf
+              && mins.scalar_type() == at::kHalf, "int4_matvec: expects fp32 x, uint8 w, fp16 scales and mins");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
+              "int4_matvec: CPU tensors only");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous(), mc = mins.contiguous();
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const at::Half* sp = sc.data_ptr<at::Half>();
+  const at::Half* mp = mc.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = Kp / kInt4Block;
+  // each row of x as int16 (as in int8_matvec) in the nibbles' order, zero past K, and its sums per 32
+  std::vector<int16_t> xq(M * Kp, 0);
+  std::vector<float> xscale(M, 0.f), xsum(M * blocks * 8, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * K;
+    float big = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      big = std::max(big, std::fabs(xr[k]));
+      finite = finite && std::isfinite(xr[k]);
+      xsum[m * blocks * 8 + k / 32 * 4] += xr[k];  // k / 64 · 8 + 4 · (k % 64 ≥ 32)
+    }
+    if (!finite) { xscale[m] = NAN; continue; }
+    xscale[m] = big > 0.f ? big / 32767.f : 1.f;
+    const float inv = 1.f / xscale[m];
+    for (int64_t k = 0; k < K; ++k) xq[m * Kp + nibble_position(k)] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+  }
+  const int64_t row_bytes = Kp / 2;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(row_bytes, 1));
+  // the last row's scales and minimums, padded: dot_int4 reads up to 7 values past a row's end
+  std::vector<at::Half> last(2 * (G + 8), at::Half(0.f));
+  if (N > 0) {
+    std::copy(sp + (N - 1) * G, sp + N * G, last.begin());
+    std::copy(mp + (N - 1) * G, mp + N * G, last.begin() + G + 8);
+  }
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = wp + n * row_bytes;
+      const at::Half* sr = n + 1 < N ? sp + n * G : last.data();
+      const at::Half* mr = n + 1 < N ? mp + n * G : last.data() + G + 8;
+      if (n + kAheadRows < n1)  // the memory's own prefetcher alone leaves it waiting (measured)
+        for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + kAheadRows * row_bytes + off), _MM_HINT_T0);
+      for (int64_t m = 0; m < M; ++m) {
+        if (std::isnan(xscale[m])) {  // not finite: plain float, so that NaN and inf come out as they would
+          float s = 0.f;
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t pos = nibble_position(k);
+            const int q = (reinterpret_cast<const uint16_t*>(wr)[pos / 64 * 16 + pos % 16] >> (4 * ((pos % 64) / 16))) & 15;
+            s += (static_cast<float>(q) * static_cast<float>(sr[k / 32]) + static_cast<float>(mr[k / 32])) * xp[m * K + k];
+          }
+          yp[m * N + n] = s;
+          continue;
+        }
+        yp[m * N + n] = dot_int4(xq.data() + m * Kp, xsum.data() + m * blocks * 8, xscale[m], wr, sr, mr, blocks);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnlab, m) {
+  m.def("int8_matvec(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("int4_matvec(Tensor x, Tensor w, Tensor scales, Tensor mins) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("int8_matvec", &int8_matvec);
+  m.impl("int4_matvec", &int4_matvec);
+}
