@@ -249,10 +249,33 @@ def test_concurrent_mixed_requests_equal_served_alone(live, models):
         c = live.client(openai.AsyncOpenAI)
         return await asyncio.gather(*(one(c, i) for i in range(32)))
 
-    results = asyncio.run(all_of_them())
+    # Each engine's first step waits (5 s at most) for two requests to be queued behind its running batch:
+    # else a busy machine can finish each batch before the next request arrives (seen in CI), and no
+    # prefill rides in a step
+    engines = live.server.config.app.state.server.engines
+    saved = {name: engines[name].on_step for name in ("lm", "llama")}
+
+    def waiting(engine, then):
+        first = [True]
+
+        def on_step(rows):
+            deadline = time.time() + 5
+            while first[0] and len(engine._pending) < 2 and time.time() < deadline:
+                time.sleep(0.001)
+            first[0] = False
+            if then:
+                then(rows)
+        return on_step
+
+    for name, then in saved.items():
+        engines[name].on_step = waiting(engines[name], then)
+    try:
+        results = asyncio.run(all_of_them())
+    finally:
+        for name, then in saved.items():
+            engines[name].on_step = then
     for name, p, n, chat, kw, text in results:  # llama has a chat template: chat requests go through it
         assert text == alone(models[name], p, n, chat=chat and name == "llama", **kw), (name, p, n, chat, kw)
-    engines = live.server.config.app.state.server.engines
     assert max(engines["lm"].largest_prefill, engines["llama"].largest_prefill) > 1  # left-padded prefills ran
     assert engines["lm"].packed_prefills + engines["llama"].packed_prefills > 0  # and prefills inside a step
     batches = httpx.get(live.url + "/metrics").text
