@@ -15,8 +15,8 @@ bf16=..., quantize=...)``, the path of ``attnlab generate --quantize``.
   inductor's own int8/int4 GEMMs): perplexity and top-1 over the same blocks fed one token at a time
   through it (the KV cache's path), greedy agreement, speed.
 
-Rows ``int8``/``int4`` keep fp32 activations (on x86 the decoding kernels still compute in bf16: see
-attnlab/quant.py); ``int8+bf16``/``int4+bf16`` load with ``bf16=True`` as well. ``int4`` keeps the
+Rows ``int8``/``int4`` keep fp32 activations (on x86 PyTorch's decoding kernels still compute in bf16,
+attnlab's own AVX2 ones in int16: see attnlab/quant.py); ``int8+bf16``/``int4+bf16`` load with ``bf16=True`` as well. ``int4`` keeps the
 output projection at int8 (attnlab's default); ``int4/head-int4`` quantises it to int4 too.
 
 Mind the baseline: SmolLM2 ships as a Q4_1 GGUF, so "fp32" is those 4-bit weights dequantised. Its
@@ -26,6 +26,7 @@ requantisation error that int4 does not have.
 
     python benchmarks/quant_quality.py [--tokens 20000] [--threads 2] [--quick] [--model smollm2]
         [--configs fp32,bf16,int8,int4] [--data input.txt(.gz)] [--block 1024] [--new 64] [--compile]
+        [--as-avx2]
 
 ``--quick`` (1,000 tokens, 16 new tokens, one repeat) is what the smoke test runs, on a tiny model
 directory given as ``--model DIR``.
@@ -132,7 +133,12 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help="also the compiled decode step of the quantised rows: its greedy agreement and speed")
     ap.add_argument("--quick", action="store_true", help="1,000 tokens, 16 new tokens, one repeat (a smoke test)")
+    ap.add_argument("--as-avx2", action="store_true",
+                    help="cap PyTorch, oneDNN and MKL at AVX2 (no native bf16): attnlab's own AVX2 kernels serve")
     args = ap.parse_args()
+    if args.as_avx2:
+        from attnlab import accel
+        accel.restart_capped_at_avx2()
     if args.quick:
         args.tokens, args.new, args.repeats = min(args.tokens, 1000), min(args.new, 16), 1
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -145,7 +151,7 @@ def main():
     import attnlab
     from attnlab.accel import cpu_isa, cpu_name
     from attnlab.generate import generate
-    from attnlab.quant import kernel_dtype, quant_kernels_ok, quantize_model
+    from attnlab.quant import kernel_dtype, own_kernels, quant_kernels_ok, quantize_model
 
     text = validation_text(Path(args.data))
     rows, ref = [], None
@@ -218,7 +224,8 @@ def main():
     print(f"\n{args.model}: {cpu_name()} ({cpu_isa()}), {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{len(ids) - 1} validation tokens of Tiny Shakespeare in blocks of {block}, {len(PROMPTS)} prompts × "
           f"{args.new} greedy tokens; decoding kernels (in {kernel_dtype(torch.float32)}): "
-          + ", ".join(f"{k} {'yes' if v else 'no (eager)'}" for k, v in kernels.items()) + "\n")
+          + ", ".join(f"{k} {'yes' if v else 'no (eager)'}" for k, v in kernels.items())
+          + ("; attnlab's own AVX2 kernels for up to 8 rows (fp32 in, int16 activations)" if own_kernels() else "") + "\n")
     cols = ["config", "weights", "activations", "weight_MB", "ppl", "ppl_vs_fp32", "top1_same", "greedy_same_prefix",
             "greedy_identical", "decode_tok_s"]
     heads = ["config", "weights", "activations", "weights MB", "perplexity", "vs fp32", "top-1 = fp32",

@@ -425,9 +425,9 @@ def compiled_step(model: torch.nn.Module, fn):
             tries.insert(0, {"freezing": True, "max_autotune": True, "autotune_num_choices_displayed": 0,
                              **_autotune_backends(quant.quantized_kind(model), p0.device)})
         if quant.uses_own_kernel(model):
-            # with attnlab's int8 kernel the step's Python wrapper is a good part of each token (~1.9 ms
-            # of ~9 for SmolLM2 under the AVX2 cap); C++ wrapper code gave 121.0 against 104.0 tok/s
-            # (ad-hoc, the kernel's earlier fp32 form; not measured again for its int16 form)
+            # with attnlab's own kernels the step's Python wrapper is a good part of each token (~1.9 ms
+            # of ~9 for SmolLM2 int8 under the AVX2 cap); C++ wrapper code gave 121.0 against 104.0 tok/s
+            # (ad-hoc, the int8 kernel's earlier fp32 form; not measured again since)
             tries.insert(0, {**tries[0], "cpp_wrapper": True})
 
         def step(*args, **kwargs):

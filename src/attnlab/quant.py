@@ -47,18 +47,22 @@ forces):
   shapes would read past the row or crash, which no probe can catch. The int4 kernel needs
   ``out_features % 16 == 0``, ``in_features % group_size == 0`` and a group size of 32/64/128/256.
 * Not where gradients are needed, not on GPU.
-* **attnlab's own int8 product on AVX2** (``csrc/int8_matvec.cpp``, the op ``attnlab::int8_matvec``):
-  where PyTorch's CPU capability is AVX2, both of the above are slow for int8 (bf16 activations
-  emulated, ~7 and ~20 GB/s on SmolLM2's weights under the AVX2 cap), so the compiled step's int8
-  products call this small AVX2 kernel instead: weights read once and widened to int16 in registers,
-  against the activations rounded to int16 with one scale per row (``max |x| ↦ 32767``: finer than
-  bf16 for every element within 128× of its row's largest), summed exactly in int32, rows split over
-  PyTorch's threads. It is built with
-  ``torch.utils.cpp_extension`` (a C++ compiler and ninja) on first use, cached on disk, and probed
-  against the eager product like the others; it needs no particular shape. Where it cannot build or
-  ``ATTNLAB_INT8_KERNEL=0``, the products are the GEMM template's, as before
-  (``ATTNLAB_QUANT_KERNELS=0`` turns it off with the others). On AVX-512 the template
-  is faster and stays (docs/results.md).
+* **attnlab's own int8 and int4 products on AVX2** (``csrc/quant_matvec.cpp``, the ops
+  ``attnlab::int8_matvec`` and ``attnlab::int4_matvec``): where PyTorch's CPU capability is AVX2, the
+  kernels above are slow (bf16 activations emulated, ~7 and ~20 GB/s on SmolLM2's int8 weights under the
+  AVX2 cap), so the int8 and int4 products of a few rows (decoding: up to ``OWN_KERNEL_MAX_ROWS``; eager
+  and in the compiled step) are these small AVX2 kernels instead. Each weight row is read once (with a
+  software prefetch a few rows ahead) and widened to int16 in registers, against the activations rounded
+  to int16 with one scale per row (``max |x| ↦ 32767``: finer than bf16 for every element within 128×
+  of its row's largest), summed exactly in int32, rows split over PyTorch's threads. int4 has a layout of
+  its own, made from the portable one (:meth:`Int4Linear._own_tensors`): 4 nibbles per 16-bit word so
+  that a shift and a mask make them int16, and an fp16 scale and minimum per 32 inputs (as llama.cpp's
+  Q4_1: 0.625 bytes per weight, against int8's 1). They are built with ``torch.utils.cpp_extension`` (a
+  C++ compiler and ninja) on first use, cached on disk, and probed against the exact product; they need
+  no particular shape (int4: groups that are a multiple of 32). Where they cannot build or
+  ``ATTNLAB_OWN_KERNELS=0``, PyTorch's kernels serve as before (``ATTNLAB_QUANT_KERNELS=0`` turns
+  everything off). On AVX-512 PyTorch's kernels and inductor's template are faster and stay
+  (docs/results.md).
 
 The int4 kernel wants its own packed weight layout; it is made on first use and kept next to the
 portable one (0.5 byte per weight each), like ``accel.PackedLinear``'s cache.
@@ -81,7 +85,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .accel import _env_off, _once
+from .accel import _env_off, _env_on, _once
 
 KINDS = ("int8", "int4")
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
@@ -96,13 +100,13 @@ _OWN: dict = {}  # "ok" → whether attnlab's kernels are built, registered and 
 def own_kernels() -> bool:
     """Whether the int8 and int4 products are attnlab's own AVX2 kernels (``csrc/quant_matvec.cpp``):
     only where PyTorch's own CPU capability is AVX2 (on AVX-512 PyTorch's kernels and inductor's template
-    are faster), on an x86 CPU with AVX2, FMA and F16C, not ``ATTNLAB_OWN_KERNELS=0`` (nor
-    ``ATTNLAB_QUANT_KERNELS=0``), and where they build and agree with the exact product (tried once per
-    process; a failure is one debug line, and PyTorch's kernels)."""
+    are faster; ``ATTNLAB_OWN_KERNELS=1`` takes them there too), on an x86 CPU with AVX2, FMA and F16C,
+    not ``ATTNLAB_OWN_KERNELS=0`` (nor ``ATTNLAB_QUANT_KERNELS=0``), and where they build and agree with
+    the exact product (tried once per process; a failure is one debug line, and PyTorch's kernels)."""
     if _env_off("ATTNLAB_OWN_KERNELS") or _env_off("ATTNLAB_QUANT_KERNELS"):
         _once("own-off", "attnlab's AVX2 int8/int4 kernels off (ATTNLAB_OWN_KERNELS=0 or ATTNLAB_QUANT_KERNELS=0)")
         return False
-    if torch.backends.cpu.get_cpu_capability() != "AVX2" or not _x86():
+    if not _x86() or (torch.backends.cpu.get_cpu_capability() != "AVX2" and not _env_on("ATTNLAB_OWN_KERNELS")):
         return False
     if "ok" not in _OWN:
         _OWN["ok"] = _build_own_kernels()
@@ -180,8 +184,8 @@ def own_kernel_error_bound(x: torch.Tensor, scaled: torch.Tensor, rest: torch.Te
 
 
 def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """How far ``attnlab::int8_matvec`` (or ``int4_matvec``, with ``w`` its float weight and scales 1) may be
-    from the exact product (M, N): each activation moves by at most half a step of its row's int16 grid
+    """How far ``attnlab::int8_matvec`` may be from the exact product (M, N) (``int4_matvec``:
+    :func:`own_kernel_error_bound`): each activation moves by at most half a step of its row's int16 grid
     (max |x| / 65534), each product by that times |w|·scale."""
     step = x.abs().double().amax(dim=1, keepdim=True) / 65534  # (M, 1)
     return step * (w.abs().double().sum(dim=1) * scales.abs().double())  # (M, N)

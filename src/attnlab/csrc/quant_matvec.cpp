@@ -58,6 +58,10 @@ float dot(const float* x, const int8_t* w, int64_t K) {
 constexpr int64_t kInt16Block = 4096;
 // rows of W ahead of the one being multiplied whose bytes are asked for in advance
 constexpr int64_t kAheadRows = 8;
+// Rows of x beyond which the weight is dequantised to fp32 once and multiplied densely (at::mm): these
+// kernels redo each weight's widening for every row of x, right for decoding (a few rows, limited by the
+// memory) and slow for a prompt the compiled step is given (limited by arithmetic).
+constexpr int64_t kMaxMatvecRows = 8;
 
 inline __m256i widen16(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -95,6 +99,7 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scales.device().is_cpu(), "int8_matvec: CPU tensors only");
   const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous();
   const int64_t M = xc.size(0), N = wc.size(0), K = wc.size(1);
+  if (M > kMaxMatvecRows) return at::mm(xc, wc.to(at::kFloat).t()) * sc;  // a prompt: compute-bound, see kMaxMatvecRows
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const int8_t* wp = wc.data_ptr<int8_t>();
@@ -189,6 +194,24 @@ inline int64_t nibble_position(int64_t k) {
   return kInt4Block * b + 16 * j + i;
 }
 
+// The (N, Kp) fp32 weight of the layout, for many rows of x
+at::Tensor dequantize_int4(const uint8_t* w, const at::Half* scales, const at::Half* mins, int64_t N, int64_t Kp) {
+  at::Tensor out = at::empty({N, Kp}, at::TensorOptions().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const int64_t G = Kp / 32;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* words = reinterpret_cast<const uint16_t*>(w + n * Kp / 2);
+      for (int64_t k = 0; k < Kp; ++k) {
+        const int64_t pos = nibble_position(k);
+        const int q = (words[pos / 64 * 16 + pos % 16] >> (4 * ((pos % 64) / 16))) & 15;
+        op[n * Kp + k] = static_cast<float>(q) * static_cast<float>(scales[n * G + k / 32]) + static_cast<float>(mins[n * G + k / 32]);
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scales.dim() == 2 && mins.dim() == 2,
               "int4_matvec: x (M, K), w (N, Kp/2), scales and mins (N, Kp/32)");
@@ -201,11 +224,12 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
               "int4_matvec: CPU tensors only");
   const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous(), mc = mins.contiguous();
-  at::Tensor y = at::empty({M, N}, xc.options());
-  const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const at::Half* sp = sc.data_ptr<at::Half>();
   const at::Half* mp = mc.data_ptr<at::Half>();
+  if (M > kMaxMatvecRows) return at::mm(xc, dequantize_int4(wp, sp, mp, N, Kp).narrow(1, 0, K).t());
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = Kp / kInt4Block;
   // each row of x as int16 (as in int8_matvec) in the nibbles' order, zero past K, and its sums per 32
