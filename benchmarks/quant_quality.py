@@ -105,7 +105,8 @@ def weight_megabytes(module) -> float:
     int4 kernel's packed copy, bf16 copies of scales): the memory the weights hold after decoding."""
     tensors = list(module.parameters()) + list(module.buffers())
     for m in module.modules():
-        tensors += [t for _, t in getattr(m, "_derived", {}).values()]
+        for _, t in getattr(m, "_derived", {}).values():  # a tensor, or a dict of them (attnlab's own kernels)
+            tensors += list(t.values()) if isinstance(t, dict) else [] if t is None else [t]
     seen, total = set(), 0
     for t in tensors:
         if t.data_ptr() not in seen:

@@ -448,6 +448,27 @@ def test_quant_quality_benchmark_runs_quick(lm_dir, tmp_path):
             assert abs(row["compiled_ppl"] / row["ppl"] - 1) < 0.02 and row["compiled_top1_same"] > 0.9, row
 
 
+def test_quant_quality_benchmark_runs_quick_on_attnlabs_kernels(lm_dir, tmp_path):
+    """The same, eager, with attnlab's own AVX2 kernels forced (``ATTNLAB_OWN_KERNELS=1``): what
+    ``--as-avx2`` runs (the layers then keep dicts of kernel tensors, which the memory count once failed on)."""
+    if not _own_kernel_tools():
+        pytest.skip("no AVX2+FMA+F16C, C++ compiler or ninja here")
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 60,
+                                        encoding="utf-8")
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "quant_quality.py"), "--quick", "--model", str(lm_dir),
+                          "--data", str(tmp_path / "input.txt"), "--threads", "1", "--configs", "fp32,int8,int4"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "ATTNLAB_OWN_KERNELS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "attnlab's own AVX2 kernels" in res.stdout
+    rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
+    assert [row["config"] for row in rows] == ["fp32", "int8", "int4"]
+    assert all(row["weight_MB"] > 0 and row["decode_tok_s"] > 0 for row in rows[1:])
+
+
 # -- the compiled decoding step ----------------------------------------------------------------------------
 
 
@@ -672,17 +693,23 @@ def test_own_kernels_say_what_does_not_fit():
 
 
 def test_own_kernels_only_where_wanted_and_can_build(monkeypatch):
-    """Never where PyTorch runs AVX-512 (its kernels and inductor's template are faster there) or
-    ``ATTNLAB_OWN_KERNELS=0``; without ninja they are not tried and PyTorch's kernels serve."""
+    """Never where PyTorch runs AVX-512 (its kernels and inductor's template are faster there) unless
+    ``ATTNLAB_OWN_KERNELS=1``, nor with ``ATTNLAB_OWN_KERNELS=0``; without ninja they are not tried and
+    PyTorch's kernels serve. (Any CPU: the x86 check is taken as passed, the build is what is checked.)"""
     from torch.utils import cpp_extension
     monkeypatch.setattr(quant, "_OWN", {})
+    monkeypatch.setattr(quant, "_x86", lambda: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert not quant.own_kernels()
+    assert not quant.own_kernels() and quant._OWN == {}  # not even tried
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
-    assert not quant.own_kernels()
+    assert not quant.own_kernels() and quant._OWN == {}
     monkeypatch.delenv("ATTNLAB_OWN_KERNELS")
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    assert not quant.own_kernels() and quant._OWN == {"ok": False}
+    monkeypatch.setattr(quant, "_OWN", {})  # asked for on AVX-512: tried (and here, without ninja, refused)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "1")
     assert not quant.own_kernels() and quant._OWN == {"ok": False}
 
 
