@@ -12,6 +12,8 @@ reported separately, as ``compile_s``). attnlab, its compiled step and transform
 turns, best of --repeats rounds each. --quantize adds attnlab rows with weight-only int8 / int4 weights
 (``attnlab.quant``), eager and — with --compile — compiled, timed in turns with llama.cpp's Q4_1 on
 the same file (best of --repeats rounds each), with how many greedy tokens agree with attnlab's fp32.
+Where attnlab's own kernels take the eager products (``quant.own_kernels``), each kind also gets an eager
+row on PyTorch's kernels (``ATTNLAB_OWN_KERNELS=0`` for that row), timed in the same turns.
 --as-avx2 runs everything with PyTorch, oneDNN and MKL capped at AVX2 (``accel.AVX2_ENVIRONMENT``):
 the stand-in for an AVX2-only CPU. Those variables do not reach llama.cpp, which picks its kernels when
 it is built: ``--llama-cpp-python DIR`` imports llama_cpp from DIR instead, e.g. a build made with
@@ -20,7 +22,9 @@ pip install --no-deps --target DIR llama-cpp-python`` to stand in for llama.cpp 
 """
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 
@@ -148,23 +152,42 @@ def _run_llama(llm, n):
     return out
 
 
+@contextlib.contextmanager
+def _env(name, value):
+    """``os.environ[name] = value`` inside the block (None: left as it is)."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if saved is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = saved
+
+
 def _quantised_rows(args, results, ids, a_fp32, path):
     """attnlab with int8 / int4 weights (eager, and compiled with --compile) and llama.cpp's Q4_1, timed
     in turns: every round times each of them once, best round each (the machine drifts within minutes)."""
     from attnlab.accel import accelerate_for_inference
     from attnlab.generate import generate
     from attnlab.pretrained import load_pretrained
-    from attnlab.quant import quantize_model
+    from attnlab.quant import own_kernels, quantize_model
     n = args.tokens
     runs = {}  # name → a function that decodes n tokens
+    # where attnlab's own kernels take the eager products, the eager step on PyTorch's kernels beside it
+    eager_sides = [(False, None)] + ([(False, "0")] if own_kernels() else [])
     for kind in args.quantize.split(","):
         q = load_pretrained("smollm2")
         accelerate_for_inference(quantize_model(q.model, kind).eval())
-        for compiled in (False, True) if args.compile else (False,):
-            name = kind + (" compiled" if compiled else "")
+        for compiled, own_env in eager_sides + ([(True, None)] if args.compile else []):
+            name = kind + (" compiled" if compiled else "") + (" (PyTorch's kernels)" if own_env == "0" else "")
 
-            def run(model=q.model, compiled=compiled):
-                return generate(model, ids, max_new_tokens=n, min_new_tokens=n, compile=compiled).sequences[0]
+            def run(model=q.model, compiled=compiled, own_env=own_env):
+                with _env("ATTNLAB_OWN_KERNELS", own_env):
+                    return generate(model, ids, max_new_tokens=n, min_new_tokens=n, compile=compiled).sequences[0]
             t0 = time.perf_counter()
             out = run()  # warm-up (for the compiled step: the compilation)
             row = {"same_tokens_as_fp32": out == a_fp32,

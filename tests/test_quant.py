@@ -16,9 +16,15 @@ from attnlab import accel, quant
 from attnlab.quant import Int4Linear, Int8Linear, quantize_model
 
 
+OWN_KERNELS = quant.own_kernels  # the real decision (the fixture below stands in for it)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_probes(monkeypatch):
     monkeypatch.setattr(quant, "_probed", {})  # every test decides (and probes) again under its own env
+    # PyTorch's kernels and the eager path are what most tests here are about: attnlab's own kernels (which
+    # would take a few rows wherever they build) only in the tests that ask for them
+    monkeypatch.setattr(quant, "own_kernels", lambda: False)
 
 
 def _linear(K, N, bias=True, seed=0):
@@ -693,24 +699,30 @@ def test_own_kernels_say_what_does_not_fit():
 
 
 def test_own_kernels_only_where_wanted_and_can_build(monkeypatch):
-    """Never where PyTorch runs AVX-512 (its kernels and inductor's template are faster there) unless
-    ``ATTNLAB_OWN_KERNELS=1``, nor with ``ATTNLAB_OWN_KERNELS=0``; without ninja they are not tried and
-    PyTorch's kernels serve. (Any CPU: the x86 check is taken as passed, the build is what is checked.)"""
+    """Eager: wherever they build on x86 (AVX-512 CPUs included), never with ``ATTNLAB_OWN_KERNELS=0``;
+    without ninja they are not tried and PyTorch's kernels serve. The compiled step: only where PyTorch
+    runs AVX2 (inductor's template is faster on AVX-512), unless ``ATTNLAB_OWN_KERNELS=1``."""
     from torch.utils import cpp_extension
+    monkeypatch.setattr(quant, "own_kernels", OWN_KERNELS)
     monkeypatch.setattr(quant, "_OWN", {})
-    monkeypatch.setattr(quant, "_x86", lambda: True)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert not quant.own_kernels() and quant._OWN == {}  # not even tried
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(quant, "_x86", lambda: False)
+    assert not quant.own_kernels() and quant._OWN == {}  # not tried
+    monkeypatch.setattr(quant, "_x86", lambda: True)  # (any CPU: the build is what is checked below)
     monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
     assert not quant.own_kernels() and quant._OWN == {}
     monkeypatch.delenv("ATTNLAB_OWN_KERNELS")
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
-    assert not quant.own_kernels() and quant._OWN == {"ok": False}
-    monkeypatch.setattr(quant, "_OWN", {})  # asked for on AVX-512: tried (and here, without ninja, refused)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not quant.own_kernels() and quant._OWN == {"ok": False}  # tried on AVX-512 too, refused
+    monkeypatch.setattr(quant, "_OWN", {"ok": True})  # as if built
+    assert quant.own_kernels() and not quant.own_kernels_in_compiled_step()
     monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "1")
-    assert not quant.own_kernels() and quant._OWN == {"ok": False}
+    assert quant.own_kernels_in_compiled_step()
+    monkeypatch.delenv("ATTNLAB_OWN_KERNELS")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert quant.own_kernels_in_compiled_step()
+    monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
+    assert not quant.own_kernels_in_compiled_step()
 
 
 @needs_own_kernel
@@ -748,7 +760,7 @@ def test_compiled_step_with_attnlabs_kernels_matches_the_eager_step(monkeypatch)
     wrapper in C++, are the exact eager fp32 step's to the kernels' rounding, over a growing cache and
     two rows."""
     from attnlab.generate.search import DecoderOnlyStepper
-    monkeypatch.setattr(quant, "own_kernels", quant._build_own_kernels)
+    monkeypatch.setattr(quant, "own_kernels_in_compiled_step", quant._build_own_kernels)
     torch.manual_seed(0)
     model = quantize_model(_model("llama-mini", n_decoder_layers=1), "int4")
     keys = set(model.state_dict())

@@ -47,11 +47,12 @@ forces):
   shapes would read past the row or crash, which no probe can catch. The int4 kernel needs
   ``out_features % 16 == 0``, ``in_features % group_size == 0`` and a group size of 32/64/128/256.
 * Not where gradients are needed, not on GPU.
-* **attnlab's own int8 and int4 products on AVX2** (``csrc/quant_matvec.cpp``, the ops
+* **attnlab's own int8 and int4 products** (``csrc/quant_matvec.cpp``, AVX2 code, the ops
   ``attnlab::int8_matvec`` and ``attnlab::int4_matvec``): where PyTorch's CPU capability is AVX2, the
   kernels above are slow (bf16 activations emulated, ~7 and ~20 GB/s on SmolLM2's int8 weights under the
   AVX2 cap), so the int8 and int4 products of a few rows (decoding: up to ``OWN_KERNEL_MAX_ROWS``; eager
-  and in the compiled step) are these small AVX2 kernels instead. Each weight row is read once (with a
+  and in the compiled step) are these small kernels instead. The eager products of a few rows are theirs
+  on AVX-512 CPUs too (SmolLM2's eager decoding there: 1.49× int8, 1.29× int4 over PyTorch's kernels). Each weight row is read once (with a
   software prefetch a few rows ahead) and widened to int16 in registers, against the activations rounded
   to int16 with one scale per row (``max |x| ↦ 32767``: finer than bf16 for every element within 128×
   of its row's largest), summed exactly in int32, rows split over PyTorch's threads. int4 has a layout of
@@ -61,8 +62,8 @@ forces):
   C++ compiler and ninja) on first use, cached on disk, and probed against the exact product; they need
   no particular shape (int4: groups that are a multiple of 32). Where they cannot build or
   ``ATTNLAB_OWN_KERNELS=0``, PyTorch's kernels serve as before (``ATTNLAB_QUANT_KERNELS=0`` turns
-  everything off). On AVX-512 PyTorch's kernels and inductor's template are faster and stay
-  (docs/results.md).
+  everything off). In the compiled step on AVX-512, inductor's GEMM template is faster and stays
+  (:func:`own_kernels_in_compiled_step`; docs/results.md).
 
 The int4 kernel wants its own packed weight layout; it is made on first use and kept next to the
 portable one (0.5 byte per weight each), like ``accel.PackedLinear``'s cache.
@@ -98,19 +99,27 @@ _OWN: dict = {}  # "ok" → whether attnlab's kernels are built, registered and 
 
 
 def own_kernels() -> bool:
-    """Whether the int8 and int4 products are attnlab's own AVX2 kernels (``csrc/quant_matvec.cpp``):
-    only where PyTorch's own CPU capability is AVX2 (on AVX-512 PyTorch's kernels and inductor's template
-    are faster; ``ATTNLAB_OWN_KERNELS=1`` takes them there too), on an x86 CPU with AVX2, FMA and F16C,
-    not ``ATTNLAB_OWN_KERNELS=0`` (nor ``ATTNLAB_QUANT_KERNELS=0``), and where they build and agree with
-    the exact product (tried once per process; a failure is one debug line, and PyTorch's kernels)."""
+    """Whether the eager int8 and int4 products of a few rows are attnlab's own AVX2 kernels
+    (``csrc/quant_matvec.cpp``): on an x86 CPU with AVX2, FMA and F16C (AVX-512 ones included: there too
+    they beat PyTorch's kernels, which take bf16 activations), not ``ATTNLAB_OWN_KERNELS=0`` (nor
+    ``ATTNLAB_QUANT_KERNELS=0``), and where they build and agree with the exact product (tried once per
+    process; a failure is one debug line, and PyTorch's kernels)."""
     if _env_off("ATTNLAB_OWN_KERNELS") or _env_off("ATTNLAB_QUANT_KERNELS"):
         _once("own-off", "attnlab's AVX2 int8/int4 kernels off (ATTNLAB_OWN_KERNELS=0 or ATTNLAB_QUANT_KERNELS=0)")
         return False
-    if not _x86() or (torch.backends.cpu.get_cpu_capability() != "AVX2" and not _env_on("ATTNLAB_OWN_KERNELS")):
+    if not _x86():
         return False
     if "ok" not in _OWN:
         _OWN["ok"] = _build_own_kernels()
     return _OWN["ok"]
+
+
+def own_kernels_in_compiled_step() -> bool:
+    """Whether a compiled step's quantised products are attnlab's kernels: where :func:`own_kernels` and
+    PyTorch's CPU capability is AVX2. On AVX-512 inductor's own GEMM template for the frozen weights is
+    faster in the step (docs/results.md); ``ATTNLAB_OWN_KERNELS=1`` takes attnlab's there too."""
+    return ((torch.backends.cpu.get_cpu_capability() == "AVX2" or _env_on("ATTNLAB_OWN_KERNELS"))
+            and own_kernels())
 
 
 def _build_own_kernels() -> bool:
@@ -285,7 +294,7 @@ class _QuantLinear(nn.Module):
         tensors as (non-persistent) buffers — traced code cannot use the data-pointer cache — or, where
         no kernel may run, let the eager path be traced."""
         on_cpu = self._portable()[0].device.type == "cpu"
-        own = self._own_tensors() if on_cpu and own_kernels() else None
+        own = self._own_tensors() if on_cpu and own_kernels_in_compiled_step() else None
         self.own_kernel = own is not None
         if own is not None:  # attnlab's kernels take fp32 activations and any shape (see the module docstring)
             self.compile_dtype, tensors = torch.float32, own
