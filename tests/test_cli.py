@@ -62,7 +62,21 @@ def test_doctor_reports_paths(capsys):
     assert main(["doctor", "--json"]) == 0
     import json
     r = json.loads(capsys.readouterr().out)
-    assert {"torch", "cpu_flags", "bf16_native_cpu", "packed_linear_bf16", "compile_cpu", "threads"} <= set(r)
+    assert {"torch", "cpu_flags", "bf16_native_cpu", "packed_linear_bf16", "compile_cpu", "threads",
+            "own_quant_kernels", "own_quant_kernels_compiled"} <= set(r)
+
+
+def test_doctor_says_whose_quantised_kernels_run(capsys, monkeypatch):
+    from attnlab import quant
+    monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "--quantize, decoding (CPU)    PyTorch's int8/int4 kernels" in out and "ATTNLAB_OWN_KERNELS=0" in out
+    monkeypatch.delenv("ATTNLAB_OWN_KERNELS")
+    monkeypatch.setattr(quant, "own_kernels", lambda: True)
+    monkeypatch.setattr(quant, "own_kernels_in_compiled_step", lambda: False)
+    assert main(["doctor"]) == 0
+    assert "attnlab's own AVX2 kernels (eager); compiled step: inductor's GEMM" in capsys.readouterr().out
 
 
 def test_dry_run_checks_flags_without_running(capsys):

@@ -1,5 +1,6 @@
 """``python -m attnlab.doctor`` (= ``attnlab doctor``): what this machine supports and which paths
-attnlab will take (CPU flags, bf16 native or emulated, packed linears, compiler, threads, torch)."""
+attnlab will take (CPU flags, bf16 native or emulated, packed linears, compiler, quantised kernels,
+threads, torch)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 import torch
 
+from . import quant
 from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
                     onednn_linear_ops, packed_linear_ok)
 
@@ -39,9 +41,20 @@ def report() -> dict:
         "packed_linear_bf16": packed_linear_ok(torch.bfloat16),
         "cxx_compiler": cxx_compiler(),
         "compile_cpu": can_compile("cpu"),
-        "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE")
-                     if k in os.environ},
+        "own_quant_kernels": quant.own_kernels(),  # (builds them on first use: seconds, then cached on disk)
+        "own_quant_kernels_compiled": quant.own_kernels_in_compiled_step(),
+        "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE",
+                                                "ATTNLAB_OWN_KERNELS", "ATTNLAB_QUANT_KERNELS") if k in os.environ},
     }
+
+
+def _quantised_path(r: dict) -> str:
+    """Whose int8/int4 products decoding runs (``attnlab.quant``): attnlab's own kernels (eager; and in the
+    compiled step where PyTorch runs AVX2) or PyTorch's."""
+    if not r["own_quant_kernels"]:
+        return "PyTorch's int8/int4 kernels (attnlab's own: not built here or switched off)"
+    compiled = "attnlab's" if r["own_quant_kernels_compiled"] else "inductor's GEMM"
+    return f"attnlab's own AVX2 kernels (eager); compiled step: {compiled}"
 
 
 def doctor_text(r: dict | None = None) -> str:
@@ -59,8 +72,8 @@ def doctor_text(r: dict | None = None) -> str:
         f"  CPU inference linears, fp32   {'oneDNN pre-packed weights' if r['packed_linear_fp32'] else 'F.linear (plain)'}",
         f"  CPU inference linears, bf16   {'oneDNN pre-packed weights' if r['packed_linear_bf16'] else 'F.linear (plain)'}",
         f"  train --bf16 on CPU           {'bf16 autocast' if r['bf16_native_cpu'] else 'fp32 (bf16 not native)'}",
-        f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}"
-        + ("; skipped in fp32, where eager packed linears are faster" if r["compile_cpu"] else ""),
+        f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}",
+        f"  --quantize, decoding (CPU)    {_quantised_path(r)}",
         f"  oneDNN ops in this build      {yes[r['onednn']]}",
     ]
     if r["switches"]:

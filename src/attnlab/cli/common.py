@@ -68,8 +68,8 @@ def add_generation(p, sampling: bool = False) -> None:
     g.add_argument("--repetition-penalty", type=positive_float, default=1.0)
     g.add_argument("--compile", dest="compile_step", action="store_true",
                    help="torch.compile the decode step (about a minute to compile a 30-layer model on "
-                        "2 CPU cores, then the fastest bf16 or --quantize decoding; for long or repeated "
-                        "generation; skipped on CPU in plain fp32, where the eager path is faster)")
+                        "2 CPU cores, then the fastest decoding in fp32, bf16 or --quantize; for long or "
+                        "repeated generation)")
     if sampling:
         g.add_argument("--sample", action="store_true", help="sample instead of greedy/beam")
         g.add_argument("--temperature", type=positive_float, default=1.0,
