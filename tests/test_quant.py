@@ -598,12 +598,12 @@ def test_compiled_int4_step_on_avx2_takes_attnlabs_kernels_and_matches_eager(tmp
 
 @needs_own_kernel
 @pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 1, 3), (2, 7, 5), (3, 33, 64), (5, 100, 257), (8, 1000, 40),
-                                   (1, 9000, 3), (9, 100, 40), (40, 576, 96)])
+                                   (1, 9000, 3), (9, 100, 40), (40, 576, 96), (70, 100, 40)])
 def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
     """attnlab::int8_matvec against the product in float64: within the bound its int16 activations give
     (half a step of each row's grid, times |w|·scale), for every tail of the 64- and 16-wide loops, more
-    rows than one, rows split over threads and a row longer than one int32 block; past 8 rows (a prompt
-    in the compiled step) the dequantised weight's dense product."""
+    rows than one (up to 64: the compiled step's batch × beams), rows split over threads and a row longer
+    than one int32 block; past 64 rows the dequantised weight's dense product."""
     assert quant._build_own_kernels()
     g = torch.Generator().manual_seed(M * K + N)
     x = torch.randn(M, K, generator=g)
@@ -625,14 +625,14 @@ def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
 @needs_own_kernel
 @pytest.mark.parametrize("M,K,N,group", [(1, 576, 1536, 32), (1, 1, 3, 32), (2, 7, 5, 32), (3, 33, 64, 64),
                                          (5, 100, 257, 32), (8, 1000, 40, 128), (1, 9000, 3, 32), (2, 1536, 9, 64),
-                                         (9, 100, 40, 32), (40, 576, 96, 64)])
+                                         (9, 100, 40, 32), (40, 576, 96, 64), (70, 100, 40, 32), (65, 576, 96, 64)])
 def test_own_int4_kernel_is_the_product_to_its_int16_rounding(M, K, N, group):
     """attnlab::int4_matvec against the product in float64 of the weight its layout stands for: within
     the int16 rounding of the activations (on q·scale, the part that meets them) and fp32's of each
     product. That weight is the layer's own to fp16's rounding of scale and minimum, exactly so where they
     are fp16 values (a GGUF's Q4_1 blocks). Every tail: inputs no multiple of 64 or of a group, groups of
-    64 and 128, a last row read with its padding, rows split over threads; past 8 rows (a prompt in the
-    compiled step) the dense product of the layout's weight dequantised."""
+    64 and 128, a last row read with its padding, rows split over threads, up to 64 rows; past 64 rows the
+    dense product of the layout's weight dequantised."""
     assert quant._build_own_kernels()
     g = torch.Generator().manual_seed(M * K + N + group)
     lin = nn.Linear(K, N, bias=False)

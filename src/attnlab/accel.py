@@ -389,7 +389,7 @@ def compiled_step(model: torch.nn.Module, fn):
     multiplies by :func:`streamed_matvec` instead, which reads the weights near the memory's speed
     (SmolLM2 fp32: ~2× the eager step). A quantised model (``attnlab.quant``)
     has its int8/int4 products traced as constants and, with ``max_autotune``, inductor may generate
-    its own GEMM for them, or, on AVX2, its int8 products call attnlab's own kernel and inductor writes
+    its own GEMM for them, or, on AVX2, its int8/int4 products call attnlab's own kernels and inductor writes
     the step's wrapper in C++ (``cpp_wrapper``; see ``quant``'s docstring).
     Where ``accel.can_compile`` says no (no C++ compiler, no triton) or the build fails, the eager
     step runs, with the same results.

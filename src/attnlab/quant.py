@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,7 @@ KERNEL_MAX_ROWS = {"int8": 8, "int4": 64}
 
 OWN_KERNEL_MAX_ROWS = 8  # attnlab's kernels read each weight row once per row of x (a few rows: decoding)
 _OWN: dict = {}  # "ok" → whether attnlab's kernels are built, registered and right (once per process)
+_OWN_LOCK = threading.Lock()  # two serving engines' threads may ask first at once: one builds
 
 
 def own_kernels() -> bool:
@@ -110,7 +112,9 @@ def own_kernels() -> bool:
     if not _x86():
         return False
     if "ok" not in _OWN:
-        _OWN["ok"] = _build_own_kernels()
+        with _OWN_LOCK:
+            if "ok" not in _OWN:
+                _OWN["ok"] = _build_own_kernels()
     return _OWN["ok"]
 
 
