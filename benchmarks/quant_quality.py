@@ -16,8 +16,9 @@ bf16=..., quantize=...)``, the path of ``attnlab generate --quantize``.
   through it (the KV cache's path), greedy agreement, speed.
 
 Rows ``int8``/``int4`` keep fp32 activations (on x86 PyTorch's decoding kernels still compute in bf16,
-attnlab's own AVX2 ones in int16: see attnlab/quant.py); ``int8+bf16``/``int4+bf16`` load with ``bf16=True`` as well. ``int4`` keeps the
-output projection at int8 (attnlab's default); ``int4/head-int4`` quantises it to int4 too.
+attnlab's own AVX2 ones in int16: see attnlab/quant.py); ``int8+bf16``/``int4+bf16`` load with
+``bf16=True`` as well. ``int4`` keeps the output projection at int8 (attnlab's default);
+``int4/head-int4`` quantises it to int4 too.
 
 Mind the baseline: SmolLM2 ships as a Q4_1 GGUF, so "fp32" is those 4-bit weights dequantised. Its
 linear layers are then exactly int4 groups of 32 (int4 re-quantisation is lossless here, see
@@ -105,8 +106,8 @@ def weight_megabytes(module) -> float:
     int4 kernel's packed copy, bf16 copies of scales): the memory the weights hold after decoding."""
     tensors = list(module.parameters()) + list(module.buffers())
     for m in module.modules():
-        for _, t in getattr(m, "_derived", {}).values():  # a tensor, or a dict of them (attnlab's own kernels)
-            tensors += list(t.values()) if isinstance(t, dict) else [] if t is None else [t]
+        for _, t in getattr(m, "_derived", {}).values():  # a tensor, a dict of them (attnlab's own kernels) or None
+            tensors += list(t.values()) if isinstance(t, dict) else [t] * (t is not None)
     seen, total = set(), 0
     for t in tensors:
         if t.data_ptr() not in seen:
@@ -152,7 +153,7 @@ def main():
     import attnlab
     from attnlab.accel import cpu_isa, cpu_name
     from attnlab.generate import generate
-    from attnlab.quant import kernel_dtype, own_kernels, quant_kernels_ok, quantize_model
+    from attnlab.quant import OWN_KERNEL_MAX_ROWS, kernel_dtype, own_kernels, quant_kernels_ok, quantize_model
 
     text = validation_text(Path(args.data))
     rows, ref = [], None
@@ -226,7 +227,8 @@ def main():
           f"{len(ids) - 1} validation tokens of Tiny Shakespeare in blocks of {block}, {len(PROMPTS)} prompts × "
           f"{args.new} greedy tokens; decoding kernels (in {kernel_dtype(torch.float32)}): "
           + ", ".join(f"{k} {'yes' if v else 'no (eager)'}" for k, v in kernels.items())
-          + ("; attnlab's own AVX2 kernels for up to 8 rows (fp32 in, int16 activations)" if own_kernels() else "") + "\n")
+          + (f"; attnlab's own AVX2 kernels for up to {OWN_KERNEL_MAX_ROWS} rows (fp32 in, int16 activations)"
+             if own_kernels() else "") + "\n")
     cols = ["config", "weights", "activations", "weight_MB", "ppl", "ppl_vs_fp32", "top1_same", "greedy_same_prefix",
             "greedy_identical", "decode_tok_s"]
     heads = ["config", "weights", "activations", "weights MB", "perplexity", "vs fp32", "top-1 = fp32",

@@ -22,11 +22,11 @@ pip install --no-deps --target DIR llama-cpp-python`` to stand in for llama.cpp 
 """
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -152,22 +152,6 @@ def _run_llama(llm, n):
     return out
 
 
-@contextlib.contextmanager
-def _env(name, value):
-    """``os.environ[name] = value`` inside the block (None: left as it is)."""
-    saved = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if value is not None:
-            if saved is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = saved
-
-
 def _quantised_rows(args, results, ids, a_fp32, path):
     """attnlab with int8 / int4 weights (eager, and compiled with --compile) and llama.cpp's Q4_1, timed
     in turns: every round times each of them once, best round each (the machine drifts within minutes)."""
@@ -186,7 +170,7 @@ def _quantised_rows(args, results, ids, a_fp32, path):
             name = kind + (" compiled" if compiled else "") + (" (PyTorch's kernels)" if own_env == "0" else "")
 
             def run(model=q.model, compiled=compiled, own_env=own_env):
-                with _env("ATTNLAB_OWN_KERNELS", own_env):
+                with mock.patch.dict(os.environ, {"ATTNLAB_OWN_KERNELS": own_env} if own_env else {}):
                     return generate(model, ids, max_new_tokens=n, min_new_tokens=n, compile=compiled).sequences[0]
             t0 = time.perf_counter()
             out = run()  # warm-up (for the compiled step: the compilation)

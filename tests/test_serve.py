@@ -245,30 +245,39 @@ def test_concurrent_mixed_requests_equal_served_alone(live, models):
                                             temperature=0)
         return name, p, n, True, {}, r.choices[0].message.content
 
-    async def all_of_them():
-        c = live.client(openai.AsyncOpenAI)
-        return await asyncio.gather(*(one(c, i) for i in range(32)))
-
-    # Each engine's first step waits (5 s at most) for two requests to be queued behind its running batch:
-    # else a busy machine can finish each batch before the next request arrives (seen in CI), and no
-    # prefill rides in a step
+    # Two waves, so that prefills ride inside a running step whatever the machine's speed: the first 16
+    # requests start both engines; each engine's first step then waits (30 s at most) until two of the
+    # second wave's requests are queued behind its running batch (every row asks for 4+ tokens, so the
+    # batch is still running). Sent all at once, a busy machine could queue all 16 requests of an engine
+    # before its first admission, or finish each batch before the next request arrives (both seen in CI).
     engines = live.server.config.app.state.server.engines
     saved = {name: engines[name].on_step for name in ("lm", "llama")}
+    stepping = {name: threading.Event() for name in saved}
+    packed_before = {name: engines[name].packed_prefills for name in saved}
 
-    def waiting(engine, then):
+    def waiting(name, then):
         first = [True]
 
         def on_step(rows):
-            deadline = time.time() + 5
-            while first[0] and len(engine._pending) < 2 and time.time() < deadline:
-                time.sleep(0.001)
-            first[0] = False
+            if first[0]:
+                first[0] = False
+                stepping[name].set()
+                deadline = time.time() + 30
+                while len(engines[name]._pending) < 2 and time.time() < deadline:
+                    time.sleep(0.001)
             if then:
                 then(rows)
         return on_step
 
+    async def all_of_them():
+        c = live.client(openai.AsyncOpenAI)
+        first = [asyncio.create_task(one(c, i)) for i in range(16)]
+        started = await asyncio.to_thread(lambda: all(e.wait(60) for e in stepping.values()))
+        assert started, "an engine never stepped"
+        return await asyncio.gather(*first, *(one(c, i) for i in range(16, 32)))
+
     for name, then in saved.items():
-        engines[name].on_step = waiting(engines[name], then)
+        engines[name].on_step = waiting(name, then)
     try:
         results = asyncio.run(all_of_them())
     finally:
@@ -277,7 +286,7 @@ def test_concurrent_mixed_requests_equal_served_alone(live, models):
     for name, p, n, chat, kw, text in results:  # llama has a chat template: chat requests go through it
         assert text == alone(models[name], p, n, chat=chat and name == "llama", **kw), (name, p, n, chat, kw)
     assert max(engines["lm"].largest_prefill, engines["llama"].largest_prefill) > 1  # left-padded prefills ran
-    assert engines["lm"].packed_prefills + engines["llama"].packed_prefills > 0  # and prefills inside a step
+    assert all(engines[name].packed_prefills > packed_before[name] for name in saved)  # and prefills inside a step
     batches = httpx.get(live.url + "/metrics").text
     assert any(line.startswith('attnlab_batch_size_bucket{le="1.0",model="lm"}') for line in batches.splitlines())
 

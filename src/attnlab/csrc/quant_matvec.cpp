@@ -102,7 +102,7 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scales.device().is_cpu(), "int8_matvec: CPU tensors only");
   const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous();
   const int64_t M = xc.size(0), N = wc.size(0), K = wc.size(1);
-  if (M > kMaxMatvecRows) return at::mm(xc, wc.to(at::kFloat).t()) * sc;  // a prompt: compute-bound, see kMaxMatvecRows
+  if (M > kMaxMatvecRows) return at::mm(xc, wc.to(at::kFloat).t()) * sc;  // many rows: see kMaxMatvecRows
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const int8_t* wp = wc.data_ptr<int8_t>();
