@@ -5,6 +5,7 @@
     python benchmarks/classification.py sst2-mlm           # bert-mini: masked-LM pretraining on the
                                                            # training sentences (labels unused), then sst2-scratch's recipe
     python benchmarks/classification.py chnsenticorp-scratch
+    python benchmarks/classification.py sst2-mlm --smoke   # every stage for 2 updates, 1,000 items per file
 
 Splits. SST-2: the GLUE training pool (train.tsv.gz, 67k items) holds the ~6.9k training *sentences*
 and every sub-phrase of them; shared/data/sst2/dev.tsv is a random tenth of that pool, mostly short
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from smoke import smoke_flags  # (benchmarks/smoke.py)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -63,20 +66,23 @@ def full_sentences(rows, train_rows, min_words: int = 8):
     return [(l, t) for l, t in rows if len(t.split()) >= min_words and t not in pool]
 
 
-def splits(name, out: Path):
+def splits(name, out: Path, limit: int | None = None):
+    """(train, dev, test, all test items or None); ``limit``: only that many items of each file (--smoke)."""
     rng = random.Random(0)
     if name.startswith("sst2"):
         lines = gzip.open(DATA / "sst2" / "train.tsv.gz", "rt", encoding="utf-8").read().splitlines()[1:]
         rows = [(l.rsplit("\t", 1)[1], l.rsplit("\t", 1)[0].strip()) for l in lines]
         rng.shuffle(rows)
+        rows = rows[:limit]
         n_dev = len(rows) // 20
         test = [(l.rsplit("\t", 1)[1], l.rsplit("\t", 1)[0].strip())
-                for l in (DATA / "sst2" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:]]
+                for l in (DATA / "sst2" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:]][:limit]
         train, dev = rows[n_dev:], rows[:n_dev]
         return train, full_sentences(dev, train), full_sentences(test, train), test
     with gzip.open(DATA / "chnsenticorp_htl" / "ChnSentiCorp_htl.csv.gz", "rt", encoding="utf-8") as f:
         rows = [(r[0], r[1]) for r in list(csv.reader(f))[1:]]
     rng.shuffle(rows)
+    rows = rows[:limit]
     n = len(rows) // 10
     return rows[2 * n:], rows[:n], rows[n: 2 * n], None
 
@@ -85,22 +91,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("recipe", choices=RECIPES)
     ap.add_argument("--out", default="runs")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check the recipe runs, not its score: every stage for 2 updates on 1,000 items of each file")
     args = ap.parse_args()
     out = Path(args.out) / args.recipe
     out.mkdir(parents=True, exist_ok=True)
-    train, dev, test, all_items = splits(args.recipe, out)
+    train, dev, test, all_items = splits(args.recipe, out, limit=1000 if args.smoke else None)
     print(f"train {len(train):,}  dev {len(dev):,}  test {len(test):,}"
           + (f" (full sentences of {len(all_items):,} dev.tsv items)" if all_items else ""), flush=True)
     for name, rows in (("train", train), ("dev", dev), ("test", test), ("test_all_items", all_items or [])):
         write_tsv(out / f"{name}.tsv", rows)
     model = out / "model"
-    recipe = list(RECIPES[args.recipe])
+    recipe = smoke_flags(RECIPES[args.recipe]) if args.smoke else list(RECIPES[args.recipe])
     t0 = time.time()
     if args.recipe in PRETRAIN:
         (out / "train_text.txt").write_text("\n".join(t for _, t in train) + "\n", encoding="utf-8")
         (out / "dev_text.txt").write_text("\n".join(t for _, t in dev) + "\n", encoding="utf-8")
         cmd = [sys.executable, "-m", "attnlab", "train", "--train", str(out / "train_text.txt"), "--dev",
-               str(out / "dev_text.txt"), "--out", str(out / "pretrained"), *PRETRAIN[args.recipe]]
+               str(out / "dev_text.txt"), "--out", str(out / "pretrained"),
+               *(smoke_flags(PRETRAIN[args.recipe]) if args.smoke else PRETRAIN[args.recipe])]
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         recipe += ["--init", str(out / "pretrained")]
@@ -120,7 +129,7 @@ def main():
         r["all_items_accuracy"] = json.loads(ev_all.stdout.strip().splitlines()[-1])["accuracy"]
         r["all_items_n"] = len(all_items)
     gold = [l for l, _ in test]
-    r.update(recipe=args.recipe, train_wall_s=round(wall), pretrain_wall_s=round(pretrain_wall), n_train=len(train),
+    r.update(recipe=args.recipe, smoke=args.smoke, train_wall_s=round(wall), pretrain_wall_s=round(pretrain_wall), n_train=len(train),
              majority_baseline=round(max(gold.count(x) for x in set(gold)) / len(gold), 4))
     print(json.dumps(r))
     (out / "test_scores.json").write_text(json.dumps(r, indent=2) + "\n")

@@ -10,6 +10,7 @@ attnlab run keeps everything but trains 2500 iterations (`--time-matched-steps`)
 steps buy within nanoGPT's wall time.
 
     python benchmarks/shakespeare_nanogpt.py --nanogpt /path/to/nanoGPT [--data ../shared/data/tinyshakespeare]
+    python benchmarks/shakespeare_nanogpt.py --skip-nanogpt --smoke   # every run for 2 updates, 20k characters
 
 nanoGPT is not part of attnlab: point --nanogpt at your own checkout of karpathy/nanoGPT.
 """
@@ -24,18 +25,27 @@ import sys
 import time
 from pathlib import Path
 
+from smoke import SMOKE_STEPS, smoke_flags  # (benchmarks/smoke.py)
+
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--nanogpt", required=True, help="a local checkout of karpathy/nanoGPT")
+    ap.add_argument("--nanogpt", help="a local checkout of karpathy/nanoGPT (not needed with --skip-nanogpt)")
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"))
     ap.add_argument("--out", default="runs/shakespeare-char")
     ap.add_argument("--skip-nanogpt", action="store_true")
     ap.add_argument("--time-matched-steps", type=int, default=2500,
                     help="the same model, batch and schedule shape with more iterations: as many as attnlab's "
                          "faster steps fit in less wall time than nanoGPT's 2000 (bf16: ~1.3x faster per step)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check the runs work, not their losses: 2 updates each on the first 20,000 characters")
     args = ap.parse_args()
+    if not args.skip_nanogpt and not args.nanogpt:
+        ap.error("--nanogpt DIR is required (or --skip-nanogpt)")
     text = gzip.open(Path(args.data) / "input.txt.gz", "rt", encoding="utf-8").read()
+    iters = SMOKE_STEPS if args.smoke else 2000
+    if args.smoke:
+        text, args.time_matched_steps = text[:20_000], iters + 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "input.txt").write_text(text, encoding="utf-8")
@@ -48,8 +58,10 @@ def main():
         subprocess.run([sys.executable, "prepare.py"], cwd=data_dir, check=True, capture_output=True)
         cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
                "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4",
-               "--n_head=4", "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0",
+               "--n_head=4", "--n_embd=128", f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--dropout=0.0",
                f"--out_dir={(out / 'nanogpt').resolve()}"]
+        if args.smoke:  # an evaluation (and so a checkpoint) at the last iteration
+            cmd += [f"--eval_interval={iters}", "--warmup_iters=1"]
         t0 = time.time()
         res = subprocess.run(cmd, cwd=ng, check=True, capture_output=True, text=True)
         wall = time.time() - t0
@@ -63,23 +75,25 @@ def main():
         results["nanogpt"].update(json.loads(ev.stdout.strip().splitlines()[-1]))
         print("nanoGPT", json.dumps(results["nanogpt"]), flush=True)
 
-    runs = {"attnlab_fp32": (False, 2000), "attnlab_bf16": (True, 2000),
+    runs = {"attnlab_fp32": (False, iters), "attnlab_bf16": (True, iters),
             f"attnlab_bf16_{args.time_matched_steps}_steps": (True, args.time_matched_steps)}
     for name, (bf16, steps) in runs.items():
-        results[name] = run_attnlab(out, out / name, bf16, steps)
+        results[name] = run_attnlab(out, out / name, bf16, steps, args.smoke)
         print(name, json.dumps(results[name]), flush=True)
     if "nanogpt" in results:
         for name in runs:
             results[name]["wall_time_ratio_nanogpt_over_attnlab"] = round(results["nanogpt"]["wall_s"] / results[name]["wall_s"], 2)
-    print(json.dumps(results))
+    print(json.dumps({**results, "smoke": args.smoke}))
 
 
-def run_attnlab(out, model_dir, bf16, steps=2000):
+def run_attnlab(out, model_dir, bf16, steps=2000, smoke=False):
     cmd = [sys.executable, "-m", "attnlab", "train", "--task", "lm", "--train", str(out / "input.txt"),
            "--out", str(model_dir), "--preset", "shakespeare-char", "--tokenizer", "char", "--block-size", "64",
            "--batch-size", "12", "--max-steps", str(steps), "--lr", "1e-3", "--min-lr", "1e-4", "--schedule", "cosine",
            "--warmup", "100", "--betas", "0.9", "0.99", "--eps", "1e-8", "--weight-decay", "0.1", "--clip-norm", "1.0",
            "--eval-every", "250", "--eval-batches", "240", "--save-every", "0", "--no-progress"] + (["--bf16"] if bf16 else [])
+    if smoke:
+        cmd = smoke_flags(cmd, steps)
     t0 = time.time()
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     wall = time.time() - t0

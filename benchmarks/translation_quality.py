@@ -3,16 +3,20 @@
 
     python benchmarks/translation_quality.py multi30k-deen [--data ../shared/data] [--out runs/]
     python benchmarks/translation_quality.py tatoeba-enzh-long
+    python benchmarks/translation_quality.py multi30k-deen --smoke   # 2 updates on 200 lines per file
 
 Recipes are chosen on the dev/validation split only; the test split is scored once at the end.
 """
 
 import argparse
+import gzip
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from smoke import smoke_flags  # (benchmarks/smoke.py)
 
 RECIPES = {
     # Multi30k de→en: one joint BPE vocabulary (German and English share most characters and many
@@ -34,17 +38,39 @@ RECIPES = {
 }
 
 
+def smoke_data(r, data: str, to: Path, lines: int = 200) -> None:
+    """The first ``lines`` lines of each of the recipe's files under ``to``, at the same relative paths and
+    compression (``{data}`` then stands for ``to``)."""
+    for key in ("train", "dev", "test_src", "test_ref", "test_tsv"):
+        for rel in r.get(key, "").split(","):
+            if not rel:
+                continue
+            src, dst = Path(rel.format(data=data)), Path(rel.format(data=to))
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            op = gzip.open if src.suffix == ".gz" else open
+            with op(src, "rt", encoding="utf-8") as f:
+                head = [line for _, line in zip(range(lines), f)]
+            with op(dst, "wt", encoding="utf-8") as f:
+                f.writelines(head)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("recipe", choices=RECIPES)
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     ap.add_argument("--out", default="runs")
     ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true",
+                    help="check the recipe runs, not its score: 2 updates on the first 200 lines of each file")
     args = ap.parse_args()
     r = RECIPES[args.recipe]
     out = Path(args.out) / args.recipe
+    flags = r["flags"]
+    if args.smoke:
+        smoke_data(r, args.data, out / "smoke-data")
+        args.data, flags = str(out / "smoke-data"), smoke_flags(flags)
     cmd = [sys.executable, "-m", "attnlab", "train", "--train", r["train"].format(data=args.data),
-           "--dev", r["dev"].format(data=args.data), "--out", str(out), "--no-progress", *r["flags"]]
+           "--dev", r["dev"].format(data=args.data), "--out", str(out), "--no-progress", *flags]
     print(" ".join(cmd), flush=True)
     t0 = time.time()
     subprocess.run(cmd, check=True)
@@ -56,7 +82,7 @@ def main():
         ev += ["--src", r["test_src"].format(data=args.data), "--ref", r["test_ref"].format(data=args.data)]
     print(" ".join(ev), flush=True)
     scores = json.loads(subprocess.run(ev, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-    scores.update(recipe=args.recipe, train_wall_s=round(train_s), beam=args.beam)
+    scores.update(recipe=args.recipe, smoke=args.smoke, train_wall_s=round(train_s), beam=args.beam)
     print(json.dumps(scores))
     (out / "test_scores.json").write_text(json.dumps(scores, indent=2) + "\n")
 

@@ -1,8 +1,10 @@
-"""Each speed benchmark script runs for one step, on the models the [test] extra installs (the benchmarks
-themselves are not tests: they take minutes and measure speed; this keeps them from rotting). Not here:
-the quality recipes (classification.py, translation_quality.py, shakespeare_nanogpt.py: whole training
-runs; test_docs checks their documented flags), and quant_quality.py (in test_quant.py)."""
+"""Each benchmark script runs for one step, on the models the [test] extra installs (the benchmarks
+themselves are not tests: they take minutes and measure speed or quality; this keeps them from rotting).
+The quality recipes (classification.py, translation_quality.py, shakespeare_nanogpt.py) run every stage
+with ``--smoke`` (2 updates on a slice of ../shared/data, where that is on the machine). quant_quality.py's
+is in test_quant.py."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -11,6 +13,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+
+
+def _smoke(argv, out):
+    """A quality recipe run with --smoke under ``out``: its last line of JSON."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / argv[0]), *argv[1:], "--smoke", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def test_train_speed_runs_one_step():
@@ -159,3 +170,33 @@ def test_linear_kernels_runs_once():
     assert rows or "packed path unavailable" in res.stdout  # (a CPU without oneDNN's packing: nothing to compare)
     assert all(row["F.linear_ms"] > 0 and row["packed_ms"] > 0 for row in rows.values())
     assert all(row["max_abs_diff"] < 1e-3 for k, row in rows.items() if k.endswith("fp32"))  # bf16: rounding order
+
+
+@pytest.mark.skipif(not (DATA / "sst2" / "train.tsv.gz").exists(), reason="shared SST-2 data not on this machine")
+def test_classification_recipe_smoke(tmp_path):
+    """classification.py sst2-mlm --smoke: masked-LM pretraining, fine-tuning from it, both evaluations."""
+    r = _smoke(["classification.py", "sst2-mlm"], tmp_path)
+    assert r["smoke"] and r["recipe"] == "sst2-mlm" and 0 <= r["accuracy"] <= 1 and 0 <= r["all_items_accuracy"] <= 1
+    assert r["n_train"] < 1000 and (tmp_path / "sst2-mlm" / "pretrained").is_dir()
+    assert (tmp_path / "sst2-mlm" / "confusion.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not (DATA / "multi30k" / "train.de.gz").exists(), reason="shared Multi30k data not on this machine")
+def test_translation_recipe_smoke(tmp_path):
+    """translation_quality.py multi30k-deen --smoke: training and the test split's sacreBLEU/chrF, beam 4."""
+    r = _smoke(["translation_quality.py", "multi30k-deen"], tmp_path)
+    assert r["smoke"] and r["beam"] == 4 and r["n"] == 200 and 0 <= r["bleu"] <= 100 and 0 <= r["chrf"] <= 100
+    src = tmp_path / "multi30k-deen" / "smoke-data" / "multi30k" / "test_2016_flickr.de.gz"
+    assert len(gzip.open(src, "rt", encoding="utf-8").read().splitlines()) == 200
+
+
+@pytest.mark.skipif(not (DATA / "tinyshakespeare" / "input.txt.gz").exists(),
+                    reason="shared Tiny Shakespeare not on this machine")
+def test_shakespeare_recipe_smoke(tmp_path):
+    """shakespeare_nanogpt.py --skip-nanogpt --smoke: attnlab's three runs, each scored on the whole
+    validation split of its (20,000-character) text."""
+    r = _smoke(["shakespeare_nanogpt.py", "--skip-nanogpt"], tmp_path)
+    runs = [k for k in r if k.startswith("attnlab_")]
+    assert r["smoke"] and len(runs) == 3 and "nanogpt" not in r
+    for k in runs:  # 10% of 20,000 characters, in blocks of 64
+        assert r[k]["val_tokens"] > 1500 and 0 < r[k]["val_loss_full_split"] < 10
