@@ -467,7 +467,9 @@ def test_quant_quality_benchmark_runs_quick_on_attnlabs_kernels(lm_dir, tmp_path
                                         encoding="utf-8")
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "quant_quality.py"), "--quick", "--model", str(lm_dir),
                           "--data", str(tmp_path / "input.txt"), "--threads", "1", "--configs", "fp32,int8,int4"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "ATTNLAB_OWN_KERNELS": "1"})
+                         capture_output=True, text=True, timeout=300,  # (whatever the suite's env says)
+                         env={**{k: v for k, v in os.environ.items() if k != "ATTNLAB_QUANT_KERNELS"},
+                              "ATTNLAB_OWN_KERNELS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "attnlab's own AVX2 kernels" in res.stdout
     rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
@@ -703,6 +705,8 @@ def test_own_kernels_only_where_wanted_and_can_build(monkeypatch):
     without ninja they are not tried and PyTorch's kernels serve. The compiled step: only where PyTorch
     runs AVX2 (inductor's template is faster on AVX-512), unless ``ATTNLAB_OWN_KERNELS=1``."""
     from torch.utils import cpp_extension
+    for name in ("ATTNLAB_OWN_KERNELS", "ATTNLAB_QUANT_KERNELS"):  # (the suite may run with them set)
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(quant, "own_kernels", OWN_KERNELS)
     monkeypatch.setattr(quant, "_OWN", {})
     monkeypatch.setattr(quant, "_x86", lambda: False)
