@@ -5,6 +5,12 @@ output projection, batch 1) and the (rows × 256) products of batched translatio
 Marian-size model (64 sentences greedy, 256 rows for beam 4). fp32 and bf16; best of N.
 
     python benchmarks/linear_kernels.py [--repeats 10] [--as-avx2]
+    python benchmarks/linear_kernels.py --quantized-rows 1,2,4,8,16,32,64 [--as-avx2]
+
+--quantized-rows: SmolLM2's int8 products (its 30 layers and head) and int4 products (the layers; its head
+stays int8) for each number of rows, on attnlab's own kernels against what the layer runs without them
+(PyTorch's kernels, or past their rows the dequantised weight and a dense product), and with the layer's
+own choice (``quant.own_kernel_max_rows``, "chosen"). The rows limits were chosen on this table.
 
 --as-avx2 caps PyTorch, oneDNN and MKL at AVX2 (``accel.AVX2_ENVIRONMENT``): the stand-in for an
 AVX2-only CPU (bf16 rows are then left out: no native bf16).
@@ -15,25 +21,66 @@ import json
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from attnlab import accel
 from attnlab.accel import PackedLinear as Linear
-from generation_speed import best_time  # warm-up, then the best of N (benchmarks/ is on sys.path)
+from generation_speed import best_time, best_times  # warm-up, then the best of N (benchmarks/ is on sys.path)
 
 SMOLLM2 = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (in, out)
 MARIAN = [(256, 768), (256, 256), (256, 256), (256, 1024), (1024, 256)] * 3 + [(256, 8000)]
+
+
+def quantized_rows(rows: list[int], layers: int, repeats: int, results: dict) -> None:
+    """SmolLM2's quantised products for each number of rows: int8, ``layers`` decoder layers and the head;
+    int4, the decoder layers (``--quantize int4`` keeps the head at int8: the int8 rows). Timed in turns:
+    attnlab's own kernels, the layer's path without them, and the layer's own choice."""
+    from attnlab import quant
+    if not quant.own_kernels():
+        print(f"attnlab's own quantised kernels are not available here ({accel.cpu_isa()}): nothing to compare")
+        return
+    rule = quant.own_kernel_max_rows
+    for kind in ("int8", "int4"):
+        net = []
+        for i, o in SMOLLM2[:4 * layers] + (SMOLLM2[-1:] if kind == "int8" else []):
+            lin = nn.Linear(i, o, bias=False)
+            net.append(quant.Int8Linear.from_linear(lin) if kind == "int8" else quant.Int4Linear.from_linear(lin, 32))
+        for m in rows:
+            xs = {i: torch.randn(m, i) for i in (576, 1536)}
+
+            def step(limit):
+                def run():
+                    quant.own_kernel_max_rows = limit
+                    try:
+                        return [layer(xs[layer.in_features]) for layer in net]
+                    finally:
+                        quant.own_kernel_max_rows = rule
+                return run
+            with torch.inference_mode():
+                own, other, chosen = best_times([step(lambda k: m), step(lambda k: 0), step(rule)], repeats)
+            key = f"{kind}_{m}_rows"
+            results[key] = {"own_ms": round(own * 1e3, 2), "without_ms": round(other * 1e3, 2),
+                            "own_speedup": round(other / own, 2), "chosen": "own" if m <= rule(kind) else "without",
+                            "chosen_ms": round(chosen * 1e3, 2)}
+            print(key, json.dumps(results[key]), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--as-avx2", action="store_true", help="cap PyTorch, oneDNN and MKL at AVX2 (and no native bf16)")
+    ap.add_argument("--quantized-rows", help="comma list of row counts: the int8/int4 table instead (see above)")
+    ap.add_argument("--layers", type=int, default=30, help="--quantized-rows: SmolLM2's decoder layers (default 30)")
     args = ap.parse_args()
     if args.as_avx2:
         accel.restart_capped_at_avx2()
     torch.manual_seed(0)
     results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(),
                "torch": torch.__version__}
+    if args.quantized_rows:
+        quantized_rows([int(r) for r in args.quantized_rows.split(",")], args.layers, args.repeats, results)
+        print(json.dumps(results))
+        return
     for name, shapes, rows in (("smollm2_decode_step", SMOLLM2, 1), ("marian_step_64_rows", MARIAN, 64),
                                ("marian_step_256_rows", MARIAN, 256)):
         for dtype in (torch.float32,) + ((torch.bfloat16,) if accel.bf16_native("cpu") else ()):

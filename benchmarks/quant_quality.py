@@ -153,7 +153,7 @@ def main():
     import attnlab
     from attnlab.accel import cpu_isa, cpu_name
     from attnlab.generate import generate
-    from attnlab.quant import OWN_KERNEL_MAX_ROWS, kernel_dtype, own_kernels, quant_kernels_ok, quantize_model
+    from attnlab.quant import kernel_dtype, own_kernel_max_rows, own_kernels, quant_kernels_ok, quantize_model
 
     text = validation_text(Path(args.data))
     rows, ref = [], None
@@ -227,7 +227,8 @@ def main():
           f"{len(ids) - 1} validation tokens of Tiny Shakespeare in blocks of {block}, {len(PROMPTS)} prompts × "
           f"{args.new} greedy tokens; decoding kernels (in {kernel_dtype(torch.float32)}): "
           + ", ".join(f"{k} {'yes' if v else 'no (eager)'}" for k, v in kernels.items())
-          + (f"; attnlab's own AVX2 kernels for up to {OWN_KERNEL_MAX_ROWS} rows (fp32 in, int16 activations)"
+          + (f"; attnlab's own AVX2 kernels for up to {own_kernel_max_rows('int8')} (int8) and "
+             f"{own_kernel_max_rows('int4')} (int4) rows (fp32 in, int16 activations)"
              if own_kernels() else "") + "\n")
     cols = ["config", "weights", "activations", "weight_MB", "ppl", "ppl_vs_fp32", "top1_same", "greedy_same_prefix",
             "greedy_identical", "decode_tok_s"]

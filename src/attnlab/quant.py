@@ -50,7 +50,7 @@ forces):
 * **attnlab's own int8 and int4 products** (``csrc/quant_matvec.cpp``, AVX2 code, the ops
   ``attnlab::int8_matvec`` and ``attnlab::int4_matvec``): where PyTorch's CPU capability is AVX2, the
   kernels above are slow (bf16 activations emulated, ~7 and ~20 GB/s on SmolLM2's int8 weights under the
-  AVX2 cap), so the int8 and int4 products of a few rows (decoding: up to ``OWN_KERNEL_MAX_ROWS``; eager
+  AVX2 cap), so the int8 and int4 products of a few rows (decoding: up to :func:`own_kernel_max_rows`; eager
   and in the compiled step) are these small kernels instead. The eager products of a few rows are theirs
   on AVX-512 CPUs too (SmolLM2's eager decoding there: 1.49× int8, 1.29× int4 over PyTorch's kernels).
   Each weight row is read once (with a software prefetch a few rows ahead) and widened to int16 in
@@ -96,7 +96,22 @@ INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_MAX_ROWS = {"int8": 8, "int4": 64}
 
 
-OWN_KERNEL_MAX_ROWS = 8  # attnlab's kernels read each weight row once per row of x (a few rows: decoding)
+# attnlab's kernels read each weight row once per row of x: they win for a few rows (decoding). Timed on
+# SmolLM2's products, 2 threads (`benchmarks/linear_kernels.py --quantized-rows`, docs/results.md,
+# "thirteenth session"): int8 up to 64 rows, 1.3-3.4x, on AVX-512 and under the AVX2 cap (past 8 rows
+# PyTorch has no int8 kernel here, and the dense product dequantises per call); int4 up to 8 rows under
+# AVX2 (level at 8), but where PyTorch's int4 kernel runs AVX-512 it is faster from 3 rows on.
+OWN_KERNEL_MAX_ROWS = {"int8": 64, "int4": 8}
+OWN_INT4_MAX_ROWS_AVX512 = 2
+
+
+def own_kernel_max_rows(kind: str) -> int:
+    """The most rows of x that attnlab's ``kind`` kernel takes in the eager layer."""
+    if kind == "int4" and torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return OWN_INT4_MAX_ROWS_AVX512
+    return OWN_KERNEL_MAX_ROWS[kind]
+
+
 _OWN: dict = {}  # "ok" → whether attnlab's kernels are built, registered and right (once per process)
 _OWN_LOCK = threading.Lock()  # two serving engines' threads may ask first at once: one builds
 
@@ -332,7 +347,7 @@ class _QuantLinear(nn.Module):
 
     def _own_may_run(self, x: torch.Tensor) -> bool:
         """Whether attnlab's own kernel may take ``x`` (eager): a few rows on the CPU, no gradient."""
-        return (x.device.type == "cpu" and 0 < x.numel() and x.numel() // x.shape[-1] <= OWN_KERNEL_MAX_ROWS
+        return (x.device.type == "cpu" and 0 < x.numel() and x.numel() // x.shape[-1] <= own_kernel_max_rows(self.kind)
                 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and not (torch.is_grad_enabled() and x.requires_grad) and own_kernels())
 

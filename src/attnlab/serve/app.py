@@ -33,6 +33,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f'attnlab serve needs FastAPI and uvicorn ({e.name} is not installed): '
                       f'pip install "attnlab[serve]"') from None
 
+from .. import quant
 from .engine import Batch, BatchEngine, Engine, QueueFull, Request, TranslationEngine, TranslationJob
 from .text import TextTracker
 
@@ -176,6 +177,9 @@ class Server:
 
     def _install(self, name: str, m) -> None:
         labels = dict(on_step=self.metrics.batch.labels(name).observe)
+        if quant.quantized_kind(m.module) and quant.own_kernels():  # built now, not while a first request waits
+            log.info("serve: %s's quantised products on attnlab's own kernels (up to %d int8 / %d int4 rows)",
+                     name, quant.own_kernel_max_rows("int8"), quant.own_kernel_max_rows("int4"))
         if m.kind == "lm":
             engine = Engine(m, self.max_batch, self.max_queue, compile=self.compile,
                             on_first_token=self.metrics.ttft.labels(name).observe, **labels)
