@@ -12,7 +12,9 @@ steps buy within nanoGPT's wall time.
     python benchmarks/shakespeare_nanogpt.py --nanogpt /path/to/nanoGPT [--data ../shared/data/tinyshakespeare]
     python benchmarks/shakespeare_nanogpt.py --skip-nanogpt --smoke   # every run for 2 updates, 20k characters
 
-nanoGPT is not part of attnlab: point --nanogpt at your own checkout of karpathy/nanoGPT.
+nanoGPT is not part of attnlab: point --nanogpt at your own checkout of karpathy/nanoGPT. Its side writes the
+text into the checkout's data/shakespeare_char and runs its prepare.py there (with --smoke: the first 20,000
+characters, until the next full run writes them again).
 """
 
 import argparse
@@ -60,8 +62,8 @@ def main():
                "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4",
                "--n_head=4", "--n_embd=128", f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--dropout=0.0",
                f"--out_dir={(out / 'nanogpt').resolve()}"]
-        if args.smoke:  # an evaluation (and so a checkpoint) at the last iteration
-            cmd += [f"--eval_interval={iters}", "--warmup_iters=1"]
+        if args.smoke:  # an evaluation and a checkpoint at the last iteration
+            cmd += [f"--eval_interval={iters}", "--warmup_iters=1", "--always_save_checkpoint=True"]
         t0 = time.time()
         res = subprocess.run(cmd, cwd=ng, check=True, capture_output=True, text=True)
         wall = time.time() - t0

@@ -758,15 +758,35 @@ def test_eager_layer_takes_attnlabs_kernel_for_a_few_rows(monkeypatch, kind):
     torch.testing.assert_close(got_grad, layer._eager(xg), rtol=0, atol=0)
 
 
+@needs_own_kernel
+def test_warm_own_kernels_prepares_every_quantised_layer(monkeypatch):
+    """What a server runs as a quantised model loads: the ops built, every layer's kernel tensors made
+    (the first request then finds them); a float model is left alone."""
+    for name in ("ATTNLAB_OWN_KERNELS", "ATTNLAB_QUANT_KERNELS"):  # (the suite may run with them set)
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(quant, "own_kernels", OWN_KERNELS)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 48))
+    assert not quant.warm_own_kernels(net)
+    quantize_model(net, "int4")
+    layers = [m for m in net.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert len(layers) == 2 and not any("own" in m._derived for m in layers)
+    assert quant.warm_own_kernels(net) and all("own" in m._derived for m in layers)
+    made = [m._derived["own"] for m in layers]
+    with torch.no_grad():  # the layers run on what was made
+        out = net(torch.randn(1, 64))
+    assert all(m._derived["own"] is h for m, h in zip(layers, made)) and out.shape == (1, 48)
+
+
 def test_own_kernel_row_limits_follow_the_timings(monkeypatch):
-    """int8: the same limit on every CPU, past the rows PyTorch's int8 kernel takes (beyond them the weight
-    would be dequantised per call); int4: fewer rows where PyTorch's int4 kernel runs AVX-512 than under
+    """int8: the same limit on every CPU, at least the rows PyTorch's int8 kernel takes (beyond them the
+    weight is dequantised per call); int4: fewer rows where PyTorch's int4 kernel runs AVX-512 than under
     AVX2, and one row (batch-1 decoding) always."""
     limits = {}
     for cap in ("AVX2", "AVX512"):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda cap=cap: cap)
         limits[cap] = quant.own_kernel_max_rows("int8"), quant.own_kernel_max_rows("int4")
-    assert limits["AVX2"][0] == limits["AVX512"][0] > quant.KERNEL_MAX_ROWS["int8"]
+    assert limits["AVX2"][0] == limits["AVX512"][0] >= quant.KERNEL_MAX_ROWS["int8"]
     assert limits["AVX2"][1] > limits["AVX512"][1] >= 1
 
 

@@ -41,7 +41,8 @@ forces):
   activations' own dtype is used.
 * Only for a few rows at a time (decoding: one row per sequence and beam). A prompt or a
   perplexity block is compute-bound: there, dequantising once and one dense matmul are faster
-  (measured crossover on AVX-512: about 12 rows for int8, about 128 for int4).
+  (``KERNEL_MAX_ROWS``; int8, SmolLM2's products, 2 threads: the kernel still 1.24× faster at 64 rows
+  on AVX-512 and 1.40× under the AVX2 cap, 1.07× and 0.74× at 128; int4: about 128 rows).
 * The int8 kernel loads 16 inputs at a time with *aligned* loads: it runs only for
   ``in_features % 16 == 0`` and 32-byte-aligned inputs (a misaligned input is copied first); other
   shapes would read past the row or crash, which no probe can catch. The int4 kernel needs
@@ -50,8 +51,8 @@ forces):
 * **attnlab's own int8 and int4 products** (``csrc/quant_matvec.cpp``, AVX2 code, the ops
   ``attnlab::int8_matvec`` and ``attnlab::int4_matvec``): where PyTorch's CPU capability is AVX2, the
   kernels above are slow (bf16 activations emulated, ~7 and ~20 GB/s on SmolLM2's int8 weights under the
-  AVX2 cap), so the int8 and int4 products of a few rows (decoding: up to :func:`own_kernel_max_rows`; eager
-  and in the compiled step) are these small kernels instead. The eager products of a few rows are theirs
+  AVX2 cap), so the int8 and int4 products of a few rows are these small kernels instead: eager, up to
+  :func:`own_kernel_max_rows`; in the compiled step, any number (the C++ takes the dense product past 64). The eager products of a few rows are theirs
   on AVX-512 CPUs too (SmolLM2's eager decoding there: 1.49× int8, 1.29× int4 over PyTorch's kernels).
   Each weight row is read once (with a software prefetch a few rows ahead) and widened to int16 in
   registers, against the activations rounded
@@ -93,21 +94,22 @@ from .accel import _env_off, _env_on, _once
 KINDS = ("int8", "int4")
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 # More rows than this: dequantise once + dense matmul beats the kernel (see the module docstring).
-KERNEL_MAX_ROWS = {"int8": 8, "int4": 64}
+KERNEL_MAX_ROWS = {"int8": 64, "int4": 64}
 
 
 # attnlab's kernels read each weight row once per row of x: they win for a few rows (decoding). Timed on
 # SmolLM2's products, 2 threads (`benchmarks/linear_kernels.py --quantized-rows`, docs/results.md,
-# "thirteenth session"): int8 up to 64 rows, 1.3-3.4x, on AVX-512 and under the AVX2 cap (past 8 rows
-# PyTorch has no int8 kernel here, and the dense product dequantises per call); int4 up to 8 rows under
-# AVX2 (level at 8), but where PyTorch's int4 kernel runs AVX-512 it is faster from 3 rows on.
+# "thirteenth session"): int8 up to 64 rows, 1.4-5.1x, on AVX-512 and under the AVX2 cap (the layer's
+# path without them leaves PyTorch's int8 kernel past KERNEL_MAX_ROWS["int8"] and dequantises per call);
+# int4 up to 8 rows under AVX2 (level at 8), but where PyTorch's int4 kernel runs AVX-512 it is faster
+# from 3 rows on.
 OWN_KERNEL_MAX_ROWS = {"int8": 64, "int4": 8}
 OWN_INT4_MAX_ROWS_AVX512 = 2
 
 
 def own_kernel_max_rows(kind: str) -> int:
     """The most rows of x that attnlab's ``kind`` kernel takes in the eager layer."""
-    if kind == "int4" and torch.backends.cpu.get_cpu_capability() != "AVX2":
+    if kind == "int4" and torch.backends.cpu.get_cpu_capability() == "AVX512":
         return OWN_INT4_MAX_ROWS_AVX512
     return OWN_KERNEL_MAX_ROWS[kind]
 
@@ -599,6 +601,18 @@ def prepare_for_compile(model: nn.Module, dtype: torch.dtype) -> bool:
     return any(layer.compile_dtype is not None for layer in layers)
 
 
+def warm_own_kernels(model: nn.Module) -> bool:
+    """Build attnlab's kernels (15-30 s the first time on a machine) and every quantised layer's tensors
+    for them now: a server calls this as a model loads, so that no request waits for either. Returns
+    whether they serve ``model`` (quantised, on the CPU, where :func:`own_kernels`)."""
+    layers = [m for m in model.modules() if isinstance(m, _QuantLinear)]
+    if not layers or layers[0]._portable()[0].device.type != "cpu" or not own_kernels():
+        return False
+    for layer in layers:
+        layer._cached("own", layer._own_tensors)
+    return True
+
+
 def uses_own_kernel(model: nn.Module) -> bool:
     """Whether :func:`prepare_for_compile` gave any layer of ``model`` attnlab's own kernel."""
     return any(m.own_kernel for m in model.modules() if isinstance(m, _QuantLinear))
@@ -610,5 +624,6 @@ def quantized_kind(model: nn.Module) -> str | None:
     return "+".join(kinds) or None
 
 
-__all__ = ["quantize_model", "quantized_kind", "prepare_for_compile", "uses_own_kernel", "own_kernels", "Int8Linear", "Int4Linear", "quant_kernels_ok", "kernel_dtype",
+__all__ = ["quantize_model", "quantized_kind", "prepare_for_compile", "uses_own_kernel", "own_kernels",
+           "warm_own_kernels", "own_kernel_max_rows", "Int8Linear", "Int4Linear", "quant_kernels_ok", "kernel_dtype",
            "check_kind", "KINDS"]

@@ -177,7 +177,7 @@ class Server:
 
     def _install(self, name: str, m) -> None:
         labels = dict(on_step=self.metrics.batch.labels(name).observe)
-        if quant.quantized_kind(m.module) and quant.own_kernels():  # built now, not while a first request waits
+        if quant.warm_own_kernels(m.module):  # built now, not while a first request waits
             log.info("serve: %s's quantised products on attnlab's own kernels (up to %d int8 / %d int4 rows)",
                      name, quant.own_kernel_max_rows("int8"), quant.own_kernel_max_rows("int4"))
         if m.kind == "lm":
