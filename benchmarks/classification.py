@@ -102,14 +102,15 @@ def main():
     for name, rows in (("train", train), ("dev", dev), ("test", test), ("test_all_items", all_items or [])):
         write_tsv(out / f"{name}.tsv", rows)
     model = out / "model"
-    recipe = smoke_flags(RECIPES[args.recipe]) if args.smoke else list(RECIPES[args.recipe])
+    flags = smoke_flags if args.smoke else list  # a stage's flags as run
+    recipe = flags(RECIPES[args.recipe])
     t0 = time.time()
     if args.recipe in PRETRAIN:
         (out / "train_text.txt").write_text("\n".join(t for _, t in train) + "\n", encoding="utf-8")
         (out / "dev_text.txt").write_text("\n".join(t for _, t in dev) + "\n", encoding="utf-8")
         cmd = [sys.executable, "-m", "attnlab", "train", "--train", str(out / "train_text.txt"), "--dev",
                str(out / "dev_text.txt"), "--out", str(out / "pretrained"),
-               *(smoke_flags(PRETRAIN[args.recipe]) if args.smoke else PRETRAIN[args.recipe])]
+               *flags(PRETRAIN[args.recipe])]
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         recipe += ["--init", str(out / "pretrained")]

@@ -18,6 +18,7 @@ AVX2-only CPU (bf16 rows are then left out: no native bf16).
 
 import argparse
 import json
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +51,8 @@ def quantized_rows(rows: list[int], layers: int, repeats: int, results: dict) ->
 
             def step(limit):
                 def run():
-                    quant.own_kernel_max_rows = limit
-                    try:
+                    with mock.patch.object(quant, "own_kernel_max_rows", limit):
                         return [layer(xs[layer.in_features]) for layer in net]
-                    finally:
-                        quant.own_kernel_max_rows = rule
                 return run
             with torch.inference_mode():
                 own, other, chosen = best_times([step(lambda k: m), step(lambda k: 0), step(rule)], repeats)

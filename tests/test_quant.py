@@ -19,6 +19,12 @@ from attnlab.quant import Int4Linear, Int8Linear, quantize_model
 OWN_KERNELS = quant.own_kernels  # the real decision (the fixture below stands in for it)
 
 
+def _own_switches_unset(monkeypatch):
+    """The tests of attnlab's kernels decide for themselves: the suite may run with these set."""
+    for name in ("ATTNLAB_OWN_KERNELS", "ATTNLAB_QUANT_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_probes(monkeypatch):
     monkeypatch.setattr(quant, "_probed", {})  # every test decides (and probes) again under its own env
@@ -705,8 +711,7 @@ def test_own_kernels_only_where_wanted_and_can_build(monkeypatch):
     without ninja they are not tried and PyTorch's kernels serve. The compiled step: only where PyTorch
     runs AVX2 (inductor's template is faster on AVX-512), unless ``ATTNLAB_OWN_KERNELS=1``."""
     from torch.utils import cpp_extension
-    for name in ("ATTNLAB_OWN_KERNELS", "ATTNLAB_QUANT_KERNELS"):  # (the suite may run with them set)
-        monkeypatch.delenv(name, raising=False)
+    _own_switches_unset(monkeypatch)
     monkeypatch.setattr(quant, "own_kernels", OWN_KERNELS)
     monkeypatch.setattr(quant, "_OWN", {})
     monkeypatch.setattr(quant, "_x86", lambda: False)
@@ -762,8 +767,7 @@ def test_eager_layer_takes_attnlabs_kernel_for_a_few_rows(monkeypatch, kind):
 def test_warm_own_kernels_prepares_every_quantised_layer(monkeypatch):
     """What a server runs as a quantised model loads: the ops built, every layer's kernel tensors made
     (the first request then finds them); a float model is left alone."""
-    for name in ("ATTNLAB_OWN_KERNELS", "ATTNLAB_QUANT_KERNELS"):  # (the suite may run with them set)
-        monkeypatch.delenv(name, raising=False)
+    _own_switches_unset(monkeypatch)
     monkeypatch.setattr(quant, "own_kernels", OWN_KERNELS)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 48))

@@ -248,8 +248,9 @@ def test_concurrent_mixed_requests_equal_served_alone(live, models):
     # Two waves, so that prefills ride inside a running step whatever the machine's speed: the first 16
     # requests start both engines; each engine's first step then waits (30 s at most) until two requests
     # (the second wave's, or first-wave stragglers) are queued behind its running batch (every row asks
-    # for 4+ tokens, and these tiny models' rows do not end early, so the batch is still running). Sent all at once, a busy machine could queue all 16 requests of an engine
-    # before its first admission, or finish each batch before the next request arrives (both seen in CI).
+    # for 4+ tokens, and these tiny models' rows do not end early, so the batch is still running). Sent
+    # all at once, a busy machine could queue all 16 requests of an engine before its first admission,
+    # or finish each batch before the next request arrives (both seen in CI).
     engines = live.server.config.app.state.server.engines
     saved = {name: engines[name].on_step for name in ("lm", "llama")}
     stepping = {name: threading.Event() for name in saved}

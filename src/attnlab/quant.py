@@ -52,10 +52,10 @@ forces):
   ``attnlab::int8_matvec`` and ``attnlab::int4_matvec``): where PyTorch's CPU capability is AVX2, the
   kernels above are slow (bf16 activations emulated, ~7 and ~20 GB/s on SmolLM2's int8 weights under the
   AVX2 cap), so the int8 and int4 products of a few rows are these small kernels instead: eager, up to
-  :func:`own_kernel_max_rows`; in the compiled step, any number (the C++ takes the dense product past 64). The eager products of a few rows are theirs
-  on AVX-512 CPUs too (SmolLM2's eager decoding there: 1.49× int8, 1.29× int4 over PyTorch's kernels).
-  Each weight row is read once (with a software prefetch a few rows ahead) and widened to int16 in
-  registers, against the activations rounded
+  :func:`own_kernel_max_rows`; in the compiled step, any number (the C++ takes the dense product past
+  64). The eager products of a few rows are theirs on AVX-512 CPUs too (SmolLM2's eager decoding there:
+  1.49× int8, 1.29× int4 over PyTorch's kernels). Each weight row is read once (with a software
+  prefetch a few rows ahead) and widened to int16 in registers, against the activations rounded
   to int16 with one scale per row (``max |x| ↦ 32767``: finer than bf16 for every element within 128×
   of its row's largest), summed exactly in int32, rows split over PyTorch's threads. int4 has a layout of
   its own, made from the portable one (:meth:`Int4Linear._own_tensors`): 4 nibbles per 16-bit word so
