@@ -10,13 +10,16 @@ Marian-size model (64 sentences greedy, 256 rows for beam 4). fp32 and bf16; bes
 --quantized-rows: SmolLM2's int8 products (its 30 layers and head) and int4 products (the layers; its head
 stays int8) for each number of rows, on attnlab's own kernels against what the layer runs without them
 (PyTorch's kernels, or past their rows the dequantised weight and a dense product), and with the layer's
-own choice (``quant.own_kernel_max_rows``, "chosen"). The rows limits were chosen on this table.
+own choice (``quant.own_kernel_max_rows``, "chosen"). The rows limits were chosen on this table. Where
+attnlab's kernels do not serve (``ATTNLAB_OWN_KERNELS=0`` stands in), PyTorch's kernels against the
+dequantised weight's dense product instead (``quant.KERNEL_MAX_ROWS``).
 
 --as-avx2 caps PyTorch, oneDNN and MKL at AVX2 (``accel.AVX2_ENVIRONMENT``): the stand-in for an
 AVX2-only CPU (bf16 rows are then left out: no native bf16).
 """
 
 import argparse
+import contextlib
 import json
 from unittest import mock
 
@@ -34,13 +37,23 @@ MARIAN = [(256, 768), (256, 256), (256, 256), (256, 1024), (1024, 256)] * 3 + [(
 
 def quantized_rows(rows: list[int], layers: int, repeats: int, results: dict) -> None:
     """SmolLM2's quantised products for each number of rows: int8, ``layers`` decoder layers and the head;
-    int4, the decoder layers (``--quantize int4`` keeps the head at int8: the int8 rows). Timed in turns:
-    attnlab's own kernels, the layer's path without them, and the layer's own choice."""
+    int4, the decoder layers (``--quantize int4`` keeps the head at int8: the int8 rows). Timed in turns,
+    with the layer's own choice third: attnlab's own kernels against the layer's path without them
+    (``quant.own_kernel_max_rows``); where they do not serve (not built, ``ATTNLAB_OWN_KERNELS=0``),
+    PyTorch's kernel against the dequantised weight's dense product (``quant.KERNEL_MAX_ROWS``)."""
     from attnlab import quant
-    if not quant.own_kernels():
-        print(f"attnlab's own quantised kernels are not available here ({accel.cpu_isa()}): nothing to compare")
-        return
-    rule = quant.own_kernel_max_rows
+    own = quant.own_kernels()
+    if own:
+        names, rule = ("own", "without"), quant.own_kernel_max_rows
+
+        def limited(limit):
+            return mock.patch.object(quant, "own_kernel_max_rows", lambda kind: limit)
+    else:
+        print(f"attnlab's own quantised kernels do not serve here ({accel.cpu_isa()}): PyTorch's kernels instead")
+        names, rule = ("pytorch_kernel", "dense"), quant.KERNEL_MAX_ROWS.__getitem__
+
+        def limited(limit):
+            return mock.patch.dict(quant.KERNEL_MAX_ROWS, {"int8": limit, "int4": limit})
     for kind in ("int8", "int4"):
         net = []
         for i, o in SMOLLM2[:4 * layers] + (SMOLLM2[-1:] if kind == "int8" else []):
@@ -49,17 +62,18 @@ def quantized_rows(rows: list[int], layers: int, repeats: int, results: dict) ->
         for m in rows:
             xs = {i: torch.randn(m, i) for i in (576, 1536)}
 
-            def step(limit):
+            def step(patch):
                 def run():
-                    with mock.patch.object(quant, "own_kernel_max_rows", limit):
+                    with patch:
                         return [layer(xs[layer.in_features]) for layer in net]
                 return run
             with torch.inference_mode():
-                own, other, chosen = best_times([step(lambda k: m), step(lambda k: 0), step(rule)], repeats)
+                fast, other, chosen = best_times([step(limited(m)), step(limited(0)), step(contextlib.nullcontext())],
+                                                 repeats)
             key = f"{kind}_{m}_rows"
-            results[key] = {"own_ms": round(own * 1e3, 2), "without_ms": round(other * 1e3, 2),
-                            "own_speedup": round(other / own, 2), "chosen": "own" if m <= rule(kind) else "without",
-                            "chosen_ms": round(chosen * 1e3, 2)}
+            results[key] = {f"{names[0]}_ms": round(fast * 1e3, 2), f"{names[1]}_ms": round(other * 1e3, 2),
+                            f"{names[0]}_speedup": round(other / fast, 2),
+                            "chosen": names[0] if m <= rule(kind) else names[1], "chosen_ms": round(chosen * 1e3, 2)}
             print(key, json.dumps(results[key]), flush=True)
 
 

@@ -173,21 +173,22 @@ def test_linear_kernels_runs_once():
     assert all(row["max_abs_diff"] < 1e-3 for k, row in rows.items() if k.endswith("fp32"))  # bf16: rounding order
 
 
-def test_linear_kernels_quantized_rows_runs_once():
-    """linear_kernels.py --quantized-rows on one SmolLM2 layer (and the head): attnlab's kernels, the path
-    without them and the layer's choice, for 1 and 3 rows; the choice is one of the two."""
+@pytest.mark.parametrize("own", ["", "0"], ids=["own-kernels", "own-kernels-off"])
+def test_linear_kernels_quantized_rows_runs_once(own, monkeypatch):
+    """linear_kernels.py --quantized-rows on one SmolLM2 layer (and the head): attnlab's kernels (where they
+    serve; else PyTorch's), the path without them and the layer's choice, for 1 and 3 rows."""
     from attnlab import quant
+    if own:
+        monkeypatch.setenv("ATTNLAB_OWN_KERNELS", own)
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "linear_kernels.py"), "--quantized-rows", "1,3",
                           "--layers", "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
     rows = {k: v for k, v in r.items() if isinstance(v, dict)}
-    if not quant.own_kernels():
-        assert not rows and "not available" in res.stdout
-        return
+    fast, other = ("own", "without") if quant.own_kernels() else ("pytorch_kernel", "dense")
     assert set(rows) == {f"{k}_{m}_rows" for k in ("int8", "int4") for m in (1, 3)}
-    assert all(v["own_ms"] > 0 and v["without_ms"] > 0 and v["chosen_ms"] > 0 for v in rows.values())
-    assert rows["int8_1_rows"]["chosen"] == "own"  # batch-1 decoding
+    assert all(v[f"{fast}_ms"] > 0 and v[f"{other}_ms"] > 0 and v["chosen_ms"] > 0 for v in rows.values())
+    assert rows["int8_1_rows"]["chosen"] == fast  # batch-1 decoding
 
 
 @pytest.mark.skipif(not (DATA / "sst2" / "train.tsv.gz").exists(), reason="shared SST-2 data not on this machine")

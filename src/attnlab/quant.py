@@ -41,8 +41,9 @@ forces):
   activations' own dtype is used.
 * Only for a few rows at a time (decoding: one row per sequence and beam). A prompt or a
   perplexity block is compute-bound: there, dequantising once and one dense matmul are faster
-  (``KERNEL_MAX_ROWS``; int8, SmolLM2's products, 2 threads: the kernel still 1.24× faster at 64 rows
-  on AVX-512 and 1.40× under the AVX2 cap, 1.07× and 0.74× at 128; int4: about 128 rows).
+  (``KERNEL_MAX_ROWS``; int8, SmolLM2's products, 2 threads, ``benchmarks/linear_kernels.py
+  --quantized-rows`` with ``ATTNLAB_OWN_KERNELS=0``: the kernel 1.70× faster at 64 rows on AVX-512,
+  level (0.99×) under the AVX2 cap; 1.29× and 0.76× at 128. int4's still wins at 128).
 * The int8 kernel loads 16 inputs at a time with *aligned* loads: it runs only for
   ``in_features % 16 == 0`` and 32-byte-aligned inputs (a misaligned input is copied first); other
   shapes would read past the row or crash, which no probe can catch. The int4 kernel needs
