@@ -17,10 +17,12 @@ step: nanoGPT's own ``train.py`` with its README's CPU configuration (4 layers, 
 (``--preset shakespeare-char``), fp32 and (native-bf16 CPUs) bf16. Each side is a fresh process
 that times every iteration the way nanoGPT's loop does (batch, forward, backward, clip, AdamW);
 the ms/iter reported is the median after 10 warm-up iterations, the sides taking turns for
-``--rounds`` rounds so drift reaches all of them.
+``--rounds`` rounds so drift reaches all of them. With ``--compile`` both tools also run their
+``torch.compile`` of the step (nanoGPT's ``--compile=True``, ``attnlab train --compile``), each set against
+nanoGPT's README run and the compiled attnlab sides also against nanoGPT compiled.
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2]
-    python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3]
+    python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
     python benchmarks/train_speed.py --shapes none --corpus [PAIRS.tsv] [--pairs 1024] [--rounds 3]
 """
 
@@ -265,10 +267,11 @@ import json, sys, time, torch
 from attnlab.train.options import TrainArgs
 from attnlab.train.trainer import Trainer
 text, out, iters, bf16, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+compile = sys.argv[6] == "1"
 args = TrainArgs(task="lm", train=text, out=out, preset="shakespeare-char", tokenizer="char", block_size=64,
                  batch_size=12, max_steps=iters, lr=1e-3, min_lr=1e-4, schedule="cosine", warmup=100, betas=[0.9, 0.99],
                  eps=1e-8, weight_decay=0.1, clip_norm=1.0, eval_every=0, save_every=0, progress=False, bf16=bf16,
-                 threads=threads or None)
+                 threads=threads or None, compile=compile)
 trainer = Trainer(args, log=lambda *a: None)
 trainer.setup()
 trainer.model.train()
@@ -300,12 +303,16 @@ def nanogpt_step(args) -> dict:
     iters = max(args.nanogpt_iters, WARMUP_ITERS + 1)
     threads = str(args.threads or torch.get_num_threads())
     env = {**os.environ, "OMP_NUM_THREADS": threads}
-    sides = ["nanogpt", "attnlab_fp32"] + (["attnlab_bf16"] if accel.bf16_native("cpu") else [])
+    attnlab_sides = ["attnlab_fp32"] + (["attnlab_bf16"] if accel.bf16_native("cpu") else [])
+    sides = ["nanogpt", *attnlab_sides]
+    if args.compile:  # both tools' torch.compile: nanoGPT's --compile=True, attnlab's --compile
+        sides += ["nanogpt_compiled", *(f"{side}_compiled" for side in attnlab_sides)]
     samples = {side: [] for side in sides}
     for _ in range(args.rounds):
         for side in sides:
-            if side == "nanogpt":
-                res = subprocess.run([sys.executable, "train.py", *NANOGPT_CPU_ARGS, f"--max_iters={iters - 1}",
+            if side.startswith("nanogpt"):
+                flags = [*NANOGPT_CPU_ARGS, "--compile=True"] if side.endswith("compiled") else NANOGPT_CPU_ARGS
+                res = subprocess.run([sys.executable, "train.py", *flags, f"--max_iters={iters - 1}",
                                       f"--out_dir={(work / 'nanogpt').resolve()}"], cwd=ng, env=env,
                                      capture_output=True, text=True)
                 if res.returncode:
@@ -313,7 +320,8 @@ def nanogpt_step(args) -> dict:
                 ms = [float(m) for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", res.stdout, re.M)]
             else:
                 res = subprocess.run([sys.executable, "-c", _ATTNLAB_LM_STEP, str(work / "input.txt"),
-                                      str(work / side), str(iters), "1" if side.endswith("bf16") else "0", threads],
+                                      str(work / side), str(iters), "1" if "bf16" in side else "0", threads,
+                                      "1" if side.endswith("compiled") else "0"],
                                      env=env, capture_output=True, text=True)
                 if res.returncode:
                     raise SystemExit(f"attnlab's step failed:\n{res.stderr[-2000:]}")
@@ -326,9 +334,13 @@ def nanogpt_step(args) -> dict:
     for side in sides:
         out[side] = {"ms_per_iter_median": round(statistics.median(samples[side]), 2),
                      "ms_per_iter_p10": round(sorted(samples[side])[len(samples[side]) // 10], 2)}
-    for side in sides[1:]:
-        # the target is written as attnlab's ms/iter over nanoGPT's (<= 0.75)
-        out[f"{side}_over_nanogpt"] = round(out[side]["ms_per_iter_median"] / out["nanogpt"]["ms_per_iter_median"], 3)
+    for side in sides:
+        if side.startswith("attnlab"):
+            # the target is written as attnlab's ms/iter over nanoGPT's (<= 0.75); a compiled side is also
+            # set against nanoGPT compiled
+            peers = ["nanogpt"] + (["nanogpt_compiled"] if side.endswith("compiled") else [])
+            for peer in peers:
+                out[f"{side}_over_{peer}"] = round(out[side]["ms_per_iter_median"] / out[peer]["ms_per_iter_median"], 3)
     return out
 
 
@@ -341,6 +353,8 @@ def main():
                     help="side of the square matmul that measures the peak (default 2048; smaller: a quicker, lower peak)")
     ap.add_argument("--nanogpt", default=None, help="a local checkout of karpathy/nanoGPT: also time its Shakespeare step")
     ap.add_argument("--nanogpt-iters", type=int, default=60, help="iterations per process (the first 10 are not timed)")
+    ap.add_argument("--compile", action="store_true",
+                    help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"),
                     help="--nanogpt: folder with Tiny Shakespeare's input.txt(.gz)")

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from attnlab import TransformerConfig, build_model, get_preset
 from attnlab.model import (LearnedPositionalEmbedding, MultiHeadAttention, SinusoidalPositionalEncoding,
-                           TokenEmbedding, causal_mask, scaled_dot_product_attention, sinusoidal_table)
+                           TokenEmbedding, causal_mask, combine_masks, scaled_dot_product_attention,
+                           sinusoidal_table)
 
 
 def tiny_mt(**kw):
@@ -125,24 +126,107 @@ def test_tying_shares_one_parameter():
     assert untied.lm_head.weight.shape == (500, 64)
 
 
-def test_bf16_training_attention_runs_the_fp32_kernel_on_cpu():
-    """Under bf16 autocast on CPU, training (inputs that need gradients, short keys) runs PyTorch's fused
-    attention in fp32 — its bf16 backward is several times slower there — and returns bf16: exactly the
-    fp32 kernel's output rounded, with the fp32 kernel's gradients. Inference keeps the bf16 kernel."""
+def _attention_oracle(q, k, v, mask):
+    """float64 softmax(QKᵀ/√d + mask)·V with K/V repeated per query head (GQA), rows without keys zeroed."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(-1).nan_to_num(0.0)
+    return weights @ v
+
+
+def _graph_nodes(t) -> set[str]:
+    """The names of the autograd nodes behind t."""
+    seen, todo = {}, [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and id(fn) not in seen:
+            seen[id(fn)] = type(fn).__name__
+            todo += [f for f, _ in fn.next_functions]
+    return set(seen.values())
+
+
+@pytest.mark.parametrize("case", ["causal", "padding", "gqa_causal_padding", "shifted_causal", "empty_rows"])
+def test_short_key_training_attention_equals_the_oracle(case):
+    """Training on CPU with ≤ SHORT_KEYS keys takes ShortAttention (three batched matmuls, hand-written
+    backward): its output and the gradients of q, k, v equal a float64 oracle's, for every mask kind."""
+    from attnlab.model.attention import SHORT_KEYS, padding_mask
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 16, 8).bfloat16() for _ in range(3))
-    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*ref_in, is_causal=True)
-    ref.backward(torch.ones_like(ref))
-    train_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, _ = scaled_dot_product_attention(*train_in, is_causal=True)
-        out.float().sum().backward()
-        frozen, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, ref.detach().bfloat16())
-    for got, want in zip(train_in, ref_in):
-        assert got.grad.dtype == torch.bfloat16 and torch.equal(got.grad, want.grad.bfloat16())
-    assert torch.equal(frozen, F.scaled_dot_product_attention(q, k, v, is_causal=True))  # the bf16 kernel
+    B, h, kv, Tq, Tk = 3, 4, 4, 12, 12
+    is_causal, mask = False, None
+    if case == "causal":
+        is_causal = True
+    elif case == "padding":
+        tok = torch.ones(B, Tk, dtype=torch.bool)
+        tok[0, -5:] = False
+        mask = padding_mask(tok)
+    elif case == "gqa_causal_padding":
+        kv, is_causal = 2, True
+        tok = torch.ones(B, Tk, dtype=torch.bool)
+        tok[1, -3:] = False
+        mask = padding_mask(tok)
+    elif case == "shifted_causal":  # queries are the last Tq of Tk positions
+        Tq, is_causal = 5, True
+    elif case == "empty_rows":  # left padding under the causal mask: the first query rows see no key
+        is_causal = True
+        tok = torch.ones(B, Tk, dtype=torch.bool)
+        tok[2, :4] = False
+        mask = padding_mask(tok)
+    assert Tk <= SHORT_KEYS
+    q, k, v = torch.randn(B, h, Tq, 8), torch.randn(B, kv, Tk, 8), torch.randn(B, kv, Tk, 8)
+    grad = torch.randn(B, h, Tq, 8)
+    full = combine_masks(mask, causal_mask(Tq, Tk) if is_causal else None)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = _attention_oracle(*ref_in, full)
+    ref.backward(grad.double())
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = scaled_dot_product_attention(*ins, mask=mask, is_causal=is_causal)
+    assert "ShortAttentionBackward" in _graph_nodes(out)
+    out.backward(grad)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(ins, ref_in):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
+    if case == "empty_rows":
+        assert torch.equal(out[2, :, :4], torch.zeros_like(out[2, :, :4]))
+
+
+def test_attention_keeps_the_fused_kernel_outside_short_key_training():
+    """Longer keys, attention dropout, inference and requested weights keep the other paths."""
+    from attnlab.model.attention import SHORT_KEYS
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    long_k = torch.randn(1, 2, SHORT_KEYS + 1, 8, requires_grad=True)
+    for out in (scaled_dot_product_attention(q, long_k, long_k)[0],
+                scaled_dot_product_attention(q, k, v, dropout_p=0.1)[0],
+                scaled_dot_product_attention(q, k, v, need_weights=True)[0]):
+        assert "ShortAttentionBackward" not in _graph_nodes(out)
+    with torch.no_grad():
+        assert scaled_dot_product_attention(q, k, v)[0].grad_fn is None
+
+
+def test_bf16_training_attention_runs_in_fp32_on_cpu():
+    """Under bf16 autocast on CPU, training (inputs that need gradients) computes attention in fp32 — the
+    fused kernel's bf16 backward is several times slower there — and returns bf16: short keys take
+    ShortAttention, longer ones (up to 512) PyTorch's fused kernel in fp32, each rounding exactly its fp32
+    result, with its fp32 gradients. Inference keeps the bf16 kernel."""
+    torch.manual_seed(0)
+    for Tk in (16, 200):
+        q, k, v = (torch.randn(2, 4, Tk, 8).bfloat16() for _ in range(3))
+        ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+        ref, _ = scaled_dot_product_attention(*ref_in, is_causal=True)  # the same path in fp32
+        ref.backward(torch.ones_like(ref))
+        torch.testing.assert_close(ref, F.scaled_dot_product_attention(*ref_in, is_causal=True), atol=1e-5, rtol=1e-5)
+        train_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = scaled_dot_product_attention(*train_in, is_causal=True)
+            out.float().sum().backward()
+            frozen, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref.detach().bfloat16())
+        for got, want in zip(train_in, ref_in):
+            assert got.grad.dtype == torch.bfloat16 and torch.equal(got.grad, want.grad.bfloat16())
+        assert torch.equal(frozen, F.scaled_dot_product_attention(q, k, v, is_causal=True))  # the bf16 kernel
 
 
 def test_dropout_zeroes_p_of_the_values_and_keeps_the_expectation():

@@ -86,8 +86,22 @@ def scaled_dot_product_attention(
     if bias is not None:
         attn_mask = (bias if mask is None else bias.masked_fill(~mask, float("-inf"))).to(q.dtype)
 
-    if need_weights or (q.shape[2] == 1 and q.device.type == "cpu" and not dropout_p
-                        and (q.shape[0] > 1 or q.dtype != torch.float32)):
+    if (q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and k.shape[2] <= SHORT_KEYS and not dropout_p and not need_weights
+            and (bias is None or not bias.requires_grad)):
+        # Training on CPU with short keys: three batched matmuls and a softmax, forward and backward,
+        # beat PyTorch's fused kernel (see ShortAttention).
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
+        elif is_causal:
+            attn_mask = torch.full((q.shape[2], k.shape[2]), float("-inf"), dtype=q.dtype,
+                                   device=q.device).triu_(k.shape[2] - q.shape[2] + 1)
+        with torch.autocast("cpu", enabled=False):
+            out = ShortAttention.apply(q, k, v, attn_mask,
+                                       1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        weights = None
+    elif need_weights or (q.shape[2] == 1 and q.device.type == "cpu" and not dropout_p
+                          and (q.shape[0] > 1 or q.dtype != torch.float32)):
         # The explicit path; also the faster one on CPU for one query per row (incremental
         # decoding) of a batch or in bf16, where the fused kernel's setup costs more than the three
         # small matmuls; a single fp32 row is the exception (measured: docs/results.md).
@@ -103,6 +117,56 @@ def scaled_dot_product_attention(
     if valid_rows is not None:
         out = out.masked_fill(~valid_rows, 0.0)
     return out, weights
+
+
+# Keys up to which ShortAttention replaces PyTorch's fused kernel while training on CPU. Measured (2 threads,
+# AVX-512, fp32, forward + backward; docs/results.md): 12x4 heads x 64 keys, d 32: 1.1 vs 1.9 ms; 64x4x24,
+# d 64: 1.9 vs 3.8 ms; 8x4x128: 4.0 vs 6.3 ms; level at 256 keys, slower from ~1k. Past 128 keys the
+# saved (B, h, Tq, Tk) probabilities would also start to cost more memory than the layer's activations.
+SHORT_KEYS = 128
+
+
+class ShortAttention(torch.autograd.Function):
+    """softmax(QKᵀ·scale + bias)·V with a hand-written backward, for training on CPU with short keys.
+
+    PyTorch's fused CPU kernel tiles for long sequences and recomputes the probabilities in its
+    backward; with tens of keys its blocks are mostly overhead. Here the forward is two batched
+    matmuls and a softmax and saves the probabilities, and the backward is the textbook one:
+    dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(dP ⊙ P)), dQ = dS·K·scale, dK = dSᵀ·Q·scale.
+    For GQA the g = h/kv query heads that share a key/value head are stacked along the query axis,
+    so K and V are never repeated. ``bias``: additive, broadcastable to (B, h, Tq, Tk), no gradient;
+    every row must keep one finite score (the caller unmasks empty rows, then zeros their output).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale):
+        B, h, Tq, hd = q.shape
+        kv, Tk = k.shape[1], k.shape[2]
+        qg = q.reshape(B * kv, (h // kv) * Tq, hd)                      # (B·kv, g·Tq, hd)
+        k, v = k.reshape(B * kv, Tk, hd), v.reshape(B * kv, Tk, hd)      # (B·kv, Tk, hd)
+        scores = torch.bmm(qg, k.transpose(1, 2)).view(B, h, Tq, Tk)    # (B, h, Tq, Tk)
+        scores = scores.mul_(scale) if bias is None else torch.add(bias, scores, alpha=scale)
+        probs = scores.softmax(dim=-1).view(B * kv, (h // kv) * Tq, Tk)  # (B·kv, g·Tq, Tk)
+        ctx.save_for_backward(qg, k, v, probs)
+        ctx.scale, ctx.q_shape, ctx.kv_shape = scale, q.shape, (B, kv, Tk, hd)
+        return torch.bmm(probs, v).view(B, h, Tq, hd)
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)  # as the forward ran, even where backward() is called under autocast
+    def backward(ctx, grad_out):
+        qg, k, v, probs = ctx.saved_tensors
+        grad_out = grad_out.reshape(qg.shape)                                      # (B·kv, g·Tq, hd)
+        dq = dk = dv = None
+        if ctx.needs_input_grad[2]:
+            dv = torch.bmm(probs.transpose(1, 2), grad_out).view(ctx.kv_shape)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            dp = torch.bmm(grad_out, v.transpose(1, 2))                             # (B·kv, g·Tq, Tk)
+            ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
+            if ctx.needs_input_grad[0]:
+                dq = torch.bmm(ds, k).mul_(ctx.scale).view(ctx.q_shape)
+            if ctx.needs_input_grad[1]:
+                dk = torch.bmm(ds.transpose(1, 2), qg).mul_(ctx.scale).view(ctx.kv_shape)
+        return dq, dk, dv, None, None
 
 
 def _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p, scale=None):
