@@ -24,6 +24,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2]
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
     python benchmarks/train_speed.py --shapes none --corpus [PAIRS.tsv] [--pairs 1024] [--rounds 3]
+    python benchmarks/train_speed.py --shapes none --attention [--rounds 5]   # the fused kernel vs ShortAttention
 """
 
 import argparse
@@ -39,12 +40,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
 
 from attnlab import accel
 from attnlab.interop.hf import from_hf
+from attnlab.model import attention
 from attnlab.train.tasks.base import output_loss
 from attnlab.train.trainer import make_adamw
 
@@ -95,8 +98,8 @@ def model_flops(s) -> float:
     d, L, ff = s["d"], s["layers"], s["ff"]
     per_token = L * (4 * d * d + 2 * d * ff) + L * (8 * d * d + 2 * d * ff) + d * VOCAB
     tokens = s["batch"] * s["length"]
-    attention = 3 * 2 * 2 * s["batch"] * s["length"] ** 2 * d * L  # self + causal + cross, QK and AV
-    return 6 * per_token * tokens + 3 * attention
+    attn = 3 * 2 * 2 * s["batch"] * s["length"] ** 2 * d * L  # self + causal + cross, QK and AV
+    return 6 * per_token * tokens + 3 * attn
 
 
 def time_steps(step, steps: int) -> float:
@@ -164,6 +167,45 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
                     "ms_per_step_by_round": [round(x * 1e3, 1) for x in times[key]]}
     out["attnlab_vs_hf"] = round(out["hf_marian"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
     out["attnlab_vs_torch"] = round(out["torch_nn_transformer"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
+    return out
+
+
+# -- the attention of a training step: PyTorch's fused kernel against ShortAttention ------------------
+
+# (B, h, T, hd, causal): nanoGPT's step, the two Marian shapes' decoder, vit-mnist's 49 patches, longer keys
+ATTENTION_SHAPES = {"nanogpt": (12, 4, 64, 32, True), "small": (64, 4, 24, 64, True), "large": (32, 8, 32, 64, True),
+                    "vit_mnist": (64, 4, 49, 16, False), "keys128": (8, 4, 128, 64, True),
+                    "keys256": (4, 4, 256, 64, True), "keys512": (2, 4, 512, 64, True)}
+
+
+def attention_table(args) -> dict:
+    """Self-attention forward + backward as the model runs it (q, k, v views of one fused projection,
+    the output merged back), PyTorch's fused kernel against ShortAttention, in turns."""
+    out = {}
+    for name, (B, h, T, hd, causal) in ATTENTION_SHAPES.items():
+        if args.attention_shapes and name not in args.attention_shapes.split(","):
+            continue
+        qkv, grad = torch.randn(B, T, 3 * h * hd, requires_grad=True), torch.randn(B, T, h * hd)
+
+        def run():
+            q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=-1))  # (B, h, T, hd)
+            o, _ = attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            o.transpose(1, 2).reshape(B, T, h * hd).backward(grad)
+            qkv.grad = None
+
+        times = {"fused_ms": [], "short_ms": []}
+        n = max(3, int(args.steps * 40 * 64 * 64 * 48 / (B * h * T * T)))
+        for _ in range(args.rounds):
+            for key, limit in (("fused_ms", 0), ("short_ms", T)):
+                with mock.patch.object(attention, "SHORT_KEYS", limit):
+                    run()
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        run()
+                    times[key].append((time.perf_counter() - t0) / n * 1e3)
+        row = {key: round(statistics.median(v), 3) for key, v in times.items()}
+        row["fused_over_short"] = round(row["fused_ms"] / row["short_ms"], 2)
+        out[f"{name} B{B} h{h} T{T} hd{hd}{' causal' if causal else ''}"] = row
     return out
 
 
@@ -353,6 +395,9 @@ def main():
                     help="side of the square matmul that measures the peak (default 2048; smaller: a quicker, lower peak)")
     ap.add_argument("--nanogpt", default=None, help="a local checkout of karpathy/nanoGPT: also time its Shakespeare step")
     ap.add_argument("--nanogpt-iters", type=int, default=60, help="iterations per process (the first 10 are not timed)")
+    ap.add_argument("--attention", action="store_true",
+                    help="also time one attention's forward + backward, PyTorch's fused kernel against ShortAttention")
+    ap.add_argument("--attention-shapes", default=None, help="--attention: comma-separated names (default: all)")
     ap.add_argument("--compile", action="store_true",
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
@@ -382,6 +427,9 @@ def main():
         key = f"corpus_{'bf16' if bf16 else 'fp32'}"
         results[key] = run_corpus(SHAPES[args.corpus_shape], args, bf16)
         print(key, json.dumps(results[key]), flush=True)
+    if args.attention:
+        results["attention"] = attention_table(args)
+        print("attention", json.dumps(results["attention"]), flush=True)
     if args.nanogpt:
         results["nanogpt_shakespeare"] = nanogpt_step(args)
         print("nanogpt_shakespeare", json.dumps(results["nanogpt_shakespeare"]), flush=True)

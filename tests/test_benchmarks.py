@@ -6,6 +6,7 @@ is in test_quant.py."""
 
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,10 +79,24 @@ def test_serve_load_smoke(tmp_path):
     assert r["ratios"]["targets"]["zero_errors"] is True
 
 
-def test_train_speed_nanogpt_step_runs(tmp_path):
-    """train_speed.py --nanogpt: the sides' per-iteration times parsed and compared. A stand-in checkout
-    (its train.py prints nanoGPT's log lines) keeps nanoGPT out of the suite; attnlab's side is the real
-    trainer update on a small text."""
+def test_train_speed_attention_table_runs():
+    """train_speed.py --attention: both attention paths timed on one shape, and their ratio."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--attention",
+                          "--attention-shapes", "nanogpt", "--steps", "1", "--rounds", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = json.loads(res.stdout.strip().splitlines()[-1])["attention"].values()
+    assert row["fused_ms"] > 0 and row["short_ms"] > 0
+    assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 2)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
+def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
+    """train_speed.py --nanogpt [--compile]: the sides' per-iteration times parsed and compared. A stand-in
+    checkout (its train.py prints nanoGPT's log lines) keeps nanoGPT out of the suite; attnlab's side is the
+    real trainer update on a small text (with --compile also its torch.compile)."""
+    if compiled and not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
     ng = tmp_path / "nanoGPT"
     (ng / "data" / "shakespeare_char").mkdir(parents=True)
     (ng / "data" / "shakespeare_char" / "prepare.py").write_text("")
@@ -92,10 +107,14 @@ def test_train_speed_nanogpt_step_runs(tmp_path):
     (data / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 200)
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--nanogpt",
                           str(ng), "--nanogpt-iters", "12", "--rounds", "1", "--data", str(data),
-                          "--workdir", str(tmp_path / "work"), "--threads", "1"],
+                          "--workdir", str(tmp_path / "work"), "--threads", "1", *(["--compile"] if compiled else [])],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])["nanogpt_shakespeare"]
+    if compiled:  # the stand-in's compiled run prints the same times
+        assert r["nanogpt_compiled"]["ms_per_iter_median"] == 60.5
+        assert r["attnlab_fp32_compiled_over_nanogpt_compiled"] == round(
+            r["attnlab_fp32_compiled"]["ms_per_iter_median"] / 60.5, 3)
     # 12 iterations, the first 10 untimed: the stand-in's iterations 10 and 11 (60 and 61 ms)
     assert r["nanogpt"]["ms_per_iter_median"] == 60.5 and r["iterations_timed_per_side"] == 2
     assert r["attnlab_fp32"]["ms_per_iter_median"] > 0

@@ -151,7 +151,7 @@ def _graph_nodes(t) -> set[str]:
 
 @pytest.mark.parametrize("case", ["causal", "padding", "gqa_causal_padding", "shifted_causal", "empty_rows"])
 def test_short_key_training_attention_equals_the_oracle(case):
-    """Training on CPU with ≤ SHORT_KEYS keys takes ShortAttention (three batched matmuls, hand-written
+    """Training on CPU with ≤ SHORT_KEYS keys takes ShortAttention (two batched matmuls and a softmax, hand-written
     backward): its output and the gradients of q, k, v equal a float64 oracle's, for every mask kind."""
     from attnlab.model.attention import SHORT_KEYS, padding_mask
     torch.manual_seed(0)

@@ -119,11 +119,13 @@ def scaled_dot_product_attention(
     return out, weights
 
 
-# Keys up to which ShortAttention replaces PyTorch's fused kernel while training on CPU. Measured (2 threads,
-# AVX-512, fp32, forward + backward; docs/results.md): 12x4 heads x 64 keys, d 32: 1.1 vs 1.9 ms; 64x4x24,
-# d 64: 1.9 vs 3.8 ms; 8x4x128: 4.0 vs 6.3 ms; level at 256 keys, slower from ~1k. Past 128 keys the
-# saved (B, h, Tq, Tk) probabilities would also start to cost more memory than the layer's activations.
-SHORT_KEYS = 128
+# Keys up to which ShortAttention replaces PyTorch's fused kernel while training on CPU. Measured by
+# `python benchmarks/train_speed.py --shapes none --attention` (2 threads, AVX-512, fp32, causal self-attention
+# forward + backward as the model runs it; docs/results.md): the fused kernel over ShortAttention 1.21-1.26x
+# at 64 keys (nanoGPT's 12 x 4 heads, d 32), 0.96-1.12x at 24-32 keys, 0.86-0.88x at 128. Under
+# torch.compile the gap is larger: inductor fuses ShortAttention's softmax with the ops around it, where the
+# fused kernel stays one opaque call.
+SHORT_KEYS = 64
 
 
 class ShortAttention(torch.autograd.Function):
