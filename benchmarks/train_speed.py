@@ -172,9 +172,9 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
 
 # -- the attention of a training step: PyTorch's fused kernel against ShortAttention ------------------
 
-# (B, h, T, hd, causal): nanoGPT's step, the two Marian shapes' decoder, vit-mnist's 49 patches, longer keys
+# (B, h, T, hd, causal): nanoGPT's step, the two Marian shapes' decoder, vit-mnist's 49 patches + [CLS], longer keys
 ATTENTION_SHAPES = {"nanogpt": (12, 4, 64, 32, True), "small": (64, 4, 24, 64, True), "large": (32, 8, 32, 64, True),
-                    "vit_mnist": (64, 4, 49, 16, False), "keys128": (8, 4, 128, 64, True),
+                    "vit_mnist": (64, 4, 50, 16, False), "keys128": (8, 4, 128, 64, True),
                     "keys256": (4, 4, 256, 64, True), "keys512": (2, 4, 512, 64, True)}
 
 

@@ -101,7 +101,8 @@ def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
     (ng / "data" / "shakespeare_char").mkdir(parents=True)
     (ng / "data" / "shakespeare_char" / "prepare.py").write_text("")
     (ng / "train.py").write_text("import sys\nn = int([a for a in sys.argv if a.startswith('--max_iters=')][0].split('=')[1])\n"
-                                 "for i in range(n + 1):\n    print(f'iter {i}: loss 4.0000, time {50 + i}.00ms, mfu -100.00%')\n")
+                                 "base = 40 if '--compile=True' in sys.argv else 50  # the last --compile wins, as in nanoGPT's configurator\n"
+                                 "for i in range(n + 1):\n    print(f'iter {i}: loss 4.0000, time {base + i}.00ms, mfu -100.00%')\n")
     data = tmp_path / "tinyshakespeare"
     data.mkdir()
     (data / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 200)
@@ -111,10 +112,10 @@ def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])["nanogpt_shakespeare"]
-    if compiled:  # the stand-in's compiled run prints the same times
-        assert r["nanogpt_compiled"]["ms_per_iter_median"] == 60.5
+    if compiled:  # the stand-in's run with --compile=True: iterations 10 and 11 at 50 and 51 ms
+        assert r["nanogpt_compiled"]["ms_per_iter_median"] == 50.5
         assert r["attnlab_fp32_compiled_over_nanogpt_compiled"] == round(
-            r["attnlab_fp32_compiled"]["ms_per_iter_median"] / 60.5, 3)
+            r["attnlab_fp32_compiled"]["ms_per_iter_median"] / 50.5, 3)
     # 12 iterations, the first 10 untimed: the stand-in's iterations 10 and 11 (60 and 61 ms)
     assert r["nanogpt"]["ms_per_iter_median"] == 60.5 and r["iterations_timed_per_side"] == 2
     assert r["attnlab_fp32"]["ms_per_iter_median"] > 0

@@ -193,6 +193,70 @@ def test_short_key_training_attention_equals_the_oracle(case):
         assert torch.equal(out[2, :, :4], torch.zeros_like(out[2, :, :4]))
 
 
+def test_short_key_training_attention_edge_cases():
+    """ShortAttention beside the oracle where the model's callers differ from the plain case: a float bias
+    and scale=1 (ALiBi), a learned bias and its gradient (T5), a per-query (B, 1, Tq, Tk) mask, non-contiguous views,
+    gradients for q only, fewer queries than keys under is_causal (aligned as causal_mask, in training
+    and inference alike), fp16 inputs (computed in fp32: finite where fp16 scores would overflow), and a
+    second derivative, which it refuses rather than gets wrong."""
+    torch.manual_seed(0)
+    B, h, T, hd = 2, 4, 10, 8
+    qkv = torch.randn(B, T, 3 * h * hd)
+    q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=-1))  # non-contiguous views
+    bias = torch.randn(1, h, T, T)
+    mask = torch.rand(B, 1, T, T) > 0.3
+    mask[..., 0] = True
+    for kw, oracle_scale in (({"bias": bias, "scale": 1.0}, 1.0), ({"mask": mask}, None)):
+        for grads in ((True, True, True), (True, False, False)):
+            ins = [t.clone().requires_grad_(g) for t, g in zip((q, k, v), grads)]
+            out, _ = scaled_dot_product_attention(*ins, **kw)
+            assert "ShortAttentionBackward" in _graph_nodes(out)
+            ref_in = [t.double().requires_grad_(g) for t, g in zip((q, k, v), grads)]
+            scores = (ref_in[0] @ ref_in[1].transpose(-1, -2)) * (oracle_scale or hd ** -0.5)
+            scores = scores + bias.double() if "bias" in kw else scores.masked_fill(~mask, float("-inf"))
+            ref = scores.softmax(-1) @ ref_in[2]
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+            grad = torch.randn_like(out)
+            out.backward(grad)
+            ref.backward(grad.double())
+            for got, want in zip(ins, ref_in):
+                assert (got.grad is None) == (want.grad is None)
+                if want.grad is not None:
+                    torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
+    # a learned bias (T5's relative positions), under a padding mask: its gradient too
+    tok = torch.ones(B, T, dtype=torch.bool)
+    tok[1, -3:] = False
+    learned, ref_bias = bias.clone().requires_grad_(), bias.double().requires_grad_()
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = scaled_dot_product_attention(*ins, mask=tok[:, None, None, :], bias=learned, scale=1.0)
+    assert "ShortAttentionBackward" in _graph_nodes(out)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    scores = (ref_in[0] @ ref_in[1].transpose(-1, -2) + ref_bias).masked_fill(~tok[:, None, None, :], float("-inf"))
+    ref = scores.softmax(-1) @ ref_in[2]
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip([*ins, learned], [*ref_in, ref_bias]):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
+    q5 = q[:, :, -4:].clone().requires_grad_()
+    trained, _ = scaled_dot_product_attention(q5, k, v, is_causal=True)
+    with torch.no_grad():
+        inferred, _ = scaled_dot_product_attention(q5, k, v, is_causal=True)
+    expected = _attention_oracle(q5.detach(), k, v, causal_mask(4, T))
+    torch.testing.assert_close(trained.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(inferred.double(), expected, atol=1e-5, rtol=1e-5)
+    big = [(t * 40).half().requires_grad_() for t in (q, k, v)]  # fp16 q·k reaches ~1e5: past fp16's 65504
+    out, _ = scaled_dot_product_attention(*big, is_causal=True)
+    out.float().sum().backward()
+    assert out.dtype == torch.float16 and torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in big)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = scaled_dot_product_attention(*ins, is_causal=True)
+    (gq,) = torch.autograd.grad(out.square().sum(), ins[0], create_graph=True)
+    with pytest.raises(RuntimeError):
+        gq.sum().backward()
+
+
 def test_attention_keeps_the_fused_kernel_outside_short_key_training():
     """Longer keys, attention dropout, inference and requested weights keep the other paths."""
     from attnlab.model.attention import SHORT_KEYS

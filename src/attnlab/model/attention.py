@@ -65,7 +65,9 @@ def scaled_dot_product_attention(
     explicit path that also returns the (B, h, Tq, Tk) attention weights.
     """
     h, kv = q.shape[1], k.shape[1]
-    if is_causal and (mask is not None or bias is not None or need_weights):
+    if is_causal and (mask is not None or bias is not None or need_weights or q.shape[2] != k.shape[2]):
+        # (with fewer queries than keys the queries are the last positions: causal_mask's alignment,
+        # which PyTorch's is_causal, aligned top-left, does not follow)
         mask = combine_masks(mask, causal_mask(q.shape[2], k.shape[2], q.device))
         is_causal = False
     valid_rows = None
@@ -87,11 +89,15 @@ def scaled_dot_product_attention(
         attn_mask = (bias if mask is None else bias.masked_fill(~mask, float("-inf"))).to(q.dtype)
 
     if (q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and k.shape[2] <= SHORT_KEYS and not dropout_p and not need_weights
-            and (bias is None or not bias.requires_grad)):
-        # Training on CPU with short keys: three batched matmuls and a softmax, forward and backward,
-        # beat PyTorch's fused kernel (see ShortAttention).
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            and k.shape[2] <= SHORT_KEYS and not dropout_p and not need_weights):
+        # Training on CPU with short keys: two batched matmuls and a softmax, forward and backward,
+        # beat PyTorch's fused kernel (see ShortAttention). Half precision computes in fp32: the
+        # unscaled scores and the saved probabilities would lose range and bits in fp16/bf16.
+        if q.dtype in (torch.float16, torch.bfloat16):
+            q, k, v = q.float(), k.float(), v.float()
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(q.dtype)
+        elif attn_mask is not None:
             attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
         elif is_causal:
             attn_mask = torch.full((q.shape[2], k.shape[2]), float("-inf"), dtype=q.dtype,
@@ -120,11 +126,11 @@ def scaled_dot_product_attention(
 
 
 # Keys up to which ShortAttention replaces PyTorch's fused kernel while training on CPU. Measured by
-# `python benchmarks/train_speed.py --shapes none --attention` (2 threads, AVX-512, fp32, causal self-attention
-# forward + backward as the model runs it; docs/results.md): the fused kernel over ShortAttention 1.21-1.26x
-# at 64 keys (nanoGPT's 12 x 4 heads, d 32), 0.96-1.12x at 24-32 keys, 0.86-0.88x at 128. Under
-# torch.compile the gap is larger: inductor fuses ShortAttention's softmax with the ops around it, where the
-# fused kernel stays one opaque call.
+# `python benchmarks/train_speed.py --shapes none --attention` (2 threads, AVX-512, fp32, self-attention
+# forward + backward as the model runs it; docs/results.md): the fused kernel over ShortAttention 1.14-1.26x
+# at 64 keys (nanoGPT's 12 x 4 heads, d 32), 1.37x for vit-mnist's 50 tokens, 0.96-1.17x at 24-32 keys,
+# 0.82-0.88x at 128. Under torch.compile the gap is larger: inductor fuses ShortAttention's softmax with the
+# ops around it, where the fused kernel stays one opaque call.
 SHORT_KEYS = 64
 
 
@@ -136,7 +142,8 @@ class ShortAttention(torch.autograd.Function):
     matmuls and a softmax and saves the probabilities, and the backward is the textbook one:
     dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(dP ⊙ P)), dQ = dS·K·scale, dK = dSᵀ·Q·scale.
     For GQA the g = h/kv query heads that share a key/value head are stacked along the query axis,
-    so K and V are never repeated. ``bias``: additive, broadcastable to (B, h, Tq, Tk), no gradient;
+    so K and V are never repeated. ``bias``: additive, broadcastable to (B, h, Tq, Tk), with a gradient
+    where it needs one (T5's learned relative positions: dS summed over the axes it was broadcast along);
     every row must keep one finite score (the caller unmasks empty rows, then zeros their output).
     """
 
@@ -151,24 +158,29 @@ class ShortAttention(torch.autograd.Function):
         probs = scores.softmax(dim=-1).view(B * kv, (h // kv) * Tq, Tk)  # (B·kv, g·Tq, Tk)
         ctx.save_for_backward(qg, k, v, probs)
         ctx.scale, ctx.q_shape, ctx.kv_shape = scale, q.shape, (B, kv, Tk, hd)
+        ctx.bias_shape = None if bias is None else bias.shape
         return torch.bmm(probs, v).view(B, h, Tq, hd)
 
     @staticmethod
-    @torch.autocast("cpu", enabled=False)  # as the forward ran, even where backward() is called under autocast
+    @torch.autograd.function.once_differentiable  # a second derivative through this backward would be wrong: refuse it
     def backward(ctx, grad_out):
         qg, k, v, probs = ctx.saved_tensors
-        grad_out = grad_out.reshape(qg.shape)                                      # (B·kv, g·Tq, hd)
-        dq = dk = dv = None
-        if ctx.needs_input_grad[2]:
-            dv = torch.bmm(probs.transpose(1, 2), grad_out).view(ctx.kv_shape)
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dp = torch.bmm(grad_out, v.transpose(1, 2))                             # (B·kv, g·Tq, Tk)
-            ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
-            if ctx.needs_input_grad[0]:
-                dq = torch.bmm(ds, k).mul_(ctx.scale).view(ctx.q_shape)
-            if ctx.needs_input_grad[1]:
-                dk = torch.bmm(ds.transpose(1, 2), qg).mul_(ctx.scale).view(ctx.kv_shape)
-        return dq, dk, dv, None, None
+        dq = dk = dv = dbias = None
+        with torch.autocast("cpu", enabled=False):  # as the forward ran, even where backward() runs under autocast
+            grad_out = grad_out.reshape(qg.shape)                                      # (B·kv, g·Tq, hd)
+            if ctx.needs_input_grad[2]:
+                dv = torch.bmm(probs.transpose(1, 2), grad_out).view(ctx.kv_shape)
+            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
+                dp = torch.bmm(grad_out, v.transpose(1, 2))                             # (B·kv, g·Tq, Tk)
+                ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
+                if ctx.needs_input_grad[3]:  # the bias's gradient is dS, summed where it was broadcast
+                    B, h, Tq, _ = ctx.q_shape
+                    dbias = ds.view(B, h, Tq, -1).sum_to_size(ctx.bias_shape)
+                if ctx.needs_input_grad[0]:
+                    dq = torch.bmm(ds, k).mul_(ctx.scale).view(ctx.q_shape)
+                if ctx.needs_input_grad[1]:
+                    dk = torch.bmm(ds.transpose(1, 2), qg).mul_(ctx.scale).view(ctx.kv_shape)
+        return dq, dk, dv, dbias, None
 
 
 def _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p, scale=None):
