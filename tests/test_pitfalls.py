@@ -126,12 +126,15 @@ def test_tying_shares_one_parameter():
     assert untied.lm_head.weight.shape == (500, 64)
 
 
-def _attention_oracle(q, k, v, mask):
-    """float64 softmax(QKᵀ/√d + mask)·V with K/V repeated per query head (GQA), rows without keys zeroed."""
+def _attention_oracle(q, k, v, mask=None, bias=None, scale=None):
+    """float64 softmax(QKᵀ·scale + bias + mask)·V (scale 1/√d unless given) with K/V repeated per query
+    head (GQA), rows without keys zeroed."""
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if bias is not None:
+        scores = scores + bias.double()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = scores.softmax(-1).nan_to_num(0.0)
@@ -206,15 +209,13 @@ def test_short_key_training_attention_edge_cases():
     bias = torch.randn(1, h, T, T)
     mask = torch.rand(B, 1, T, T) > 0.3
     mask[..., 0] = True
-    for kw, oracle_scale in (({"bias": bias, "scale": 1.0}, 1.0), ({"mask": mask}, None)):
+    for kw in ({"bias": bias, "scale": 1.0}, {"mask": mask}):
         for grads in ((True, True, True), (True, False, False)):
             ins = [t.clone().requires_grad_(g) for t, g in zip((q, k, v), grads)]
             out, _ = scaled_dot_product_attention(*ins, **kw)
             assert "ShortAttentionBackward" in _graph_nodes(out)
             ref_in = [t.double().requires_grad_(g) for t, g in zip((q, k, v), grads)]
-            scores = (ref_in[0] @ ref_in[1].transpose(-1, -2)) * (oracle_scale or hd ** -0.5)
-            scores = scores + bias.double() if "bias" in kw else scores.masked_fill(~mask, float("-inf"))
-            ref = scores.softmax(-1) @ ref_in[2]
+            ref = _attention_oracle(*ref_in, **kw)
             torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
             grad = torch.randn_like(out)
             out.backward(grad)
@@ -231,8 +232,7 @@ def test_short_key_training_attention_edge_cases():
     out, _ = scaled_dot_product_attention(*ins, mask=tok[:, None, None, :], bias=learned, scale=1.0)
     assert "ShortAttentionBackward" in _graph_nodes(out)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    scores = (ref_in[0] @ ref_in[1].transpose(-1, -2) + ref_bias).masked_fill(~tok[:, None, None, :], float("-inf"))
-    ref = scores.softmax(-1) @ ref_in[2]
+    ref = _attention_oracle(*ref_in, tok[:, None, None, :], bias=ref_bias, scale=1.0)
     grad = torch.randn_like(out)
     out.backward(grad)
     ref.backward(grad.double())

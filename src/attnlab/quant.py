@@ -104,15 +104,13 @@ KERNEL_MAX_ROWS = {"int8": 64, "int4": 64}
 # path without them leaves PyTorch's int8 kernel past KERNEL_MAX_ROWS["int8"] and dequantises per call);
 # int4 up to 8 rows under AVX2 (level at 8), but where PyTorch's int4 kernel runs AVX-512 it is faster
 # from 3 rows on.
-OWN_KERNEL_MAX_ROWS = {"int8": 64, "int4": 8}
-OWN_INT4_MAX_ROWS_AVX512 = 2
+OWN_KERNEL_MAX_ROWS = {"AVX2": {"int8": 64, "int4": 8}, "AVX512": {"int8": 64, "int4": 2}}  # by PyTorch's capability
 
 
 def own_kernel_max_rows(kind: str) -> int:
     """The most rows of x that attnlab's ``kind`` kernel takes in the eager layer."""
-    if kind == "int4" and torch.backends.cpu.get_cpu_capability() == "AVX512":
-        return OWN_INT4_MAX_ROWS_AVX512
-    return OWN_KERNEL_MAX_ROWS[kind]
+    capability = "AVX512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "AVX2"
+    return OWN_KERNEL_MAX_ROWS[capability][kind]
 
 
 _OWN: dict = {}  # "ok" → whether attnlab's kernels are built, registered and right (once per process)

@@ -77,31 +77,29 @@ def scaled_dot_product_attention(
         valid_rows = mask.any(dim=-1, keepdim=True)  # (B|1, 1, Tq, 1)
         mask = mask | ~valid_rows
     out_dtype, fp32_kernel = q.dtype, False
-    if (q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad and torch.is_grad_enabled()
-            and k.shape[2] <= 512 and not need_weights):
+    training_on_cpu = (q.device.type == "cpu" and torch.is_grad_enabled() and not need_weights
+                       and (q.requires_grad or k.requires_grad or v.requires_grad))
+    # Training on CPU with short keys: two batched matmuls and a softmax, forward and backward, beat
+    # PyTorch's fused kernel (see ShortAttention).
+    short = training_on_cpu and k.shape[2] <= SHORT_KEYS and not dropout_p
+    if ((q.dtype == torch.bfloat16 and q.requires_grad and training_on_cpu and k.shape[2] <= 512)
+            or (short and q.dtype in (torch.float16, torch.bfloat16))):
         # Training in bf16 on CPU: PyTorch's fused kernel computes its backward ~4x slower in bf16
         # than in fp32 for short sequences (12x4 heads, T 64, d 32: 5.7 vs 1.4 ms forward+backward;
-        # still slower at T 256, faster only from ~1k keys). The projections around it stay bf16;
-        # autocast, which would cast the inputs back, is off for this one call.
+        # still slower at T 256, faster only from ~1k keys). ShortAttention computes in fp32 too: its
+        # unscaled scores and saved probabilities would lose range and bits in fp16/bf16. The
+        # projections around it stay in half precision; autocast, which would cast the inputs back,
+        # is off for this one call.
         q, k, v, fp32_kernel = q.float(), k.float(), v.float(), True
     attn_mask = mask
     if bias is not None:
         attn_mask = (bias if mask is None else bias.masked_fill(~mask, float("-inf"))).to(q.dtype)
 
-    if (q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and k.shape[2] <= SHORT_KEYS and not dropout_p and not need_weights):
-        # Training on CPU with short keys: two batched matmuls and a softmax, forward and backward,
-        # beat PyTorch's fused kernel (see ShortAttention). Half precision computes in fp32: the
-        # unscaled scores and the saved probabilities would lose range and bits in fp16/bf16.
-        if q.dtype in (torch.float16, torch.bfloat16):
-            q, k, v = q.float(), k.float(), v.float()
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(q.dtype)
-        elif attn_mask is not None:
+    if short:
+        if is_causal:  # (no mask beside it: that case was folded above)
+            attn_mask = causal_mask(q.shape[2], k.shape[2], q.device)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # ShortAttention adds its mask
             attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
-        elif is_causal:
-            attn_mask = torch.full((q.shape[2], k.shape[2]), float("-inf"), dtype=q.dtype,
-                                   device=q.device).triu_(k.shape[2] - q.shape[2] + 1)
         with torch.autocast("cpu", enabled=False):
             out = ShortAttention.apply(q, k, v, attn_mask,
                                        1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
