@@ -294,7 +294,7 @@ def test_bf16_training_attention_runs_in_fp32_on_cpu():
 
 
 def test_dropout_zeroes_p_of_the_values_and_keeps_the_expectation():
-    """attnlab's CPU dropout (four 15-bit uniforms per 64-bit draw): the dropped share is p in every
+    """attnlab's CPU dropout (four 16-bit uniforms per 64-bit draw): the dropped share is p in every
     one of the four lanes (a biased lane would show here), kept values are scaled by 1/(1-p), the
     gradient flows through the kept ones only, the same seed gives the same mask, eval is the identity."""
     from attnlab.model.layers import Dropout
@@ -308,7 +308,7 @@ def test_dropout_zeroes_p_of_the_values_and_keeps_the_expectation():
         sigma = math.sqrt(p * (1 - p) / (n // 4))
         for lane in range(4):
             assert abs((~kept[lane::4]).float().mean().item() - p) < 5 * sigma, (p, lane)
-        assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / (1 - round(p * 32768) / 32768)))
+        assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / (1 - round(p * 65536) / 65536)))
         assert abs(y.mean().item() - 1.0) < 5 * math.sqrt(p / (1 - p) / n)  # E[dropout(x)] = x
         torch.manual_seed(0)
         assert torch.equal(drop(x), y)

@@ -271,6 +271,32 @@ def test_fused_output_loss_equals_the_projection_and_torch(bias, monkeypatch):
     assert not got[0][::7].any()  # padded rows: no gradient
 
 
+def test_fused_output_loss_is_exact_where_the_target_probability_underflows(monkeypatch):
+    """``LinearCrossEntropy`` recovers the log-sum-exp from the largest probability (lse = max −
+    log p_max), never from the target's: rows whose target's softmax underflows to 0 in fp32, or whose
+    logits are in the thousands, still give the float64 loss and gradients."""
+    from attnlab.train.tasks.base import LinearCrossEntropy
+    monkeypatch.setattr(LinearCrossEntropy, "MIN_ROWS", 1)
+    monkeypatch.setattr(LinearCrossEntropy, "CHUNK", 4 * 300)  # 4 rows a chunk
+    torch.manual_seed(0)
+    h = torch.randn(10, 16)
+    h[:3] *= 400  # logits of ±2,000: exp overflows without the max subtracted
+    w = torch.randn(300, 16)
+    logits = h @ w.t()
+    labels = logits.argmin(dim=1)  # the least likely token: softmax 0 in fp32 on the scaled rows
+    labels[8] = 0  # padding
+    assert (torch.softmax(logits, 1).gather(1, labels[:, None]) == 0).sum() >= 3
+    h, w = h.requires_grad_(), w.requires_grad_()
+    loss = LinearCrossEntropy.apply(h, w, None, labels, 0, 0.1)
+    got = torch.autograd.grad(loss, [h, w])
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.cross_entropy(h64 @ w64.t(), labels, ignore_index=0, label_smoothing=0.1)
+    want = torch.autograd.grad(ref, [h64, w64])
+    assert torch.isfinite(loss) and abs(loss.item() - ref.item()) <= 1e-5 * ref.item()
+    for g, r in zip(got, want):
+        assert torch.allclose(g.double(), r, rtol=1e-4, atol=1e-4 * r.abs().max().item())
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_training_loss_through_the_hidden_states_equals_the_logits_loss(bf16, monkeypatch):
     """``output_loss`` on a model's hidden states (tied embedding, T5's output rescaling, bf16

@@ -82,24 +82,24 @@ def scaled_dot_product_attention(
     # Training on CPU with short keys: two batched matmuls and a softmax, forward and backward, beat
     # PyTorch's fused kernel (see ShortAttention).
     short = training_on_cpu and k.shape[2] <= SHORT_KEYS and not dropout_p
-    if ((q.dtype == torch.bfloat16 and q.requires_grad and training_on_cpu and k.shape[2] <= 512)
-            or (short and q.dtype in (torch.float16, torch.bfloat16))):
+    if q.dtype == torch.bfloat16 and q.requires_grad and training_on_cpu and k.shape[2] <= 512 and not short:
         # Training in bf16 on CPU: PyTorch's fused kernel computes its backward ~4x slower in bf16
         # than in fp32 for short sequences (12x4 heads, T 64, d 32: 5.7 vs 1.4 ms forward+backward;
-        # still slower at T 256, faster only from ~1k keys). ShortAttention computes in fp32 too: its
-        # unscaled scores and saved probabilities would lose range and bits in fp16/bf16. The
-        # projections around it stay in half precision; autocast, which would cast the inputs back,
-        # is off for this one call.
+        # still slower at T 256, faster only from ~1k keys). The projections around it stay in half
+        # precision; autocast, which would cast the inputs back, is off for this one call.
+        # (ShortAttention takes half-precision inputs as they are and computes in fp32 itself.)
         q, k, v, fp32_kernel = q.float(), k.float(), v.float(), True
+    scores_dtype = ShortAttention.compute_dtype(q) if short else q.dtype
     attn_mask = mask
     if bias is not None:
-        attn_mask = (bias if mask is None else bias.masked_fill(~mask, float("-inf"))).to(q.dtype)
+        attn_mask = (bias if mask is None else bias.masked_fill(~mask, float("-inf"))).to(scores_dtype)
 
     if short:
         if is_causal:  # (no mask beside it: that case was folded above)
             attn_mask = causal_mask(q.shape[2], k.shape[2], q.device)
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # ShortAttention adds its mask
-            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
+            attn_mask = torch.zeros(attn_mask.shape, dtype=scores_dtype, device=q.device).masked_fill_(
+                ~attn_mask, float("-inf"))
         with torch.autocast("cpu", enabled=False):
             out = ShortAttention.apply(q, k, v, attn_mask,
                                        1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
@@ -146,18 +146,29 @@ class ShortAttention(torch.autograd.Function):
     """
 
     @staticmethod
+    def compute_dtype(q: torch.Tensor) -> torch.dtype:
+        # fp32 for half-precision inputs: unscaled scores and saved probabilities would lose range and
+        # bits in fp16/bf16 (the fused kernel also computes bf16 training in fp32)
+        return torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+
+    @staticmethod
     def forward(ctx, q, k, v, bias, scale):
         B, h, Tq, hd = q.shape
         kv, Tk = k.shape[1], k.shape[2]
-        qg = q.reshape(B * kv, (h // kv) * Tq, hd)                      # (B·kv, g·Tq, hd)
-        k, v = k.reshape(B * kv, Tk, hd), v.reshape(B * kv, Tk, hd)      # (B·kv, Tk, hd)
+        dtype = ShortAttention.compute_dtype(q)
+        qg = _dense(q, dtype).view(B * kv, (h // kv) * Tq, hd)                          # (B·kv, g·Tq, hd)
+        k, v = _dense(k, dtype).view(B * kv, Tk, hd), _dense(v, dtype).view(B * kv, Tk, hd)  # (B·kv, Tk, hd)
         scores = torch.bmm(qg, k.transpose(1, 2)).view(B, h, Tq, Tk)    # (B, h, Tq, Tk)
         scores = scores.mul_(scale) if bias is None else torch.add(bias, scores, alpha=scale)
         probs = scores.softmax(dim=-1).view(B * kv, (h // kv) * Tq, Tk)  # (B·kv, g·Tq, Tk)
         ctx.save_for_backward(qg, k, v, probs)
         ctx.scale, ctx.q_shape, ctx.kv_shape = scale, q.shape, (B, kv, Tk, hd)
+        ctx.dtypes = q.dtype, k.dtype, v.dtype
         ctx.bias_shape = None if bias is None else bias.shape
-        return torch.bmm(probs, v).view(B, h, Tq, hd)
+        out = torch.bmm(probs, v).view(B, h, Tq, hd)
+        # Returned in the input's dtype and in the (B, Tq, h, hd) memory the caller merges the heads
+        # from: the cast and the transpose are one copy, and the caller's merge is a view.
+        return torch.empty(B, Tq, h, hd, dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)  # (B, h, Tq, hd)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # a second derivative through this backward would be wrong: refuse it
@@ -165,9 +176,9 @@ class ShortAttention(torch.autograd.Function):
         qg, k, v, probs = ctx.saved_tensors
         dq = dk = dv = dbias = None
         with torch.autocast("cpu", enabled=False):  # as the forward ran, even where backward() runs under autocast
-            grad_out = grad_out.reshape(qg.shape)                                      # (B·kv, g·Tq, hd)
+            grad_out = _dense(grad_out, qg.dtype).view(qg.shape)                         # (B·kv, g·Tq, hd)
             if ctx.needs_input_grad[2]:
-                dv = torch.bmm(probs.transpose(1, 2), grad_out).view(ctx.kv_shape)
+                dv = torch.bmm(probs.transpose(1, 2), grad_out).view(ctx.kv_shape).to(ctx.dtypes[2])
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
                 dp = torch.bmm(grad_out, v.transpose(1, 2))                             # (B·kv, g·Tq, Tk)
                 ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
@@ -175,10 +186,16 @@ class ShortAttention(torch.autograd.Function):
                     B, h, Tq, _ = ctx.q_shape
                     dbias = ds.view(B, h, Tq, -1).sum_to_size(ctx.bias_shape)
                 if ctx.needs_input_grad[0]:
-                    dq = torch.bmm(ds, k).mul_(ctx.scale).view(ctx.q_shape)
+                    dq = torch.bmm(ds, k).mul_(ctx.scale).view(ctx.q_shape).to(ctx.dtypes[0])
                 if ctx.needs_input_grad[1]:
-                    dk = torch.bmm(ds.transpose(1, 2), qg).mul_(ctx.scale).view(ctx.kv_shape)
+                    dk = torch.bmm(ds.transpose(1, 2), qg).mul_(ctx.scale).view(ctx.kv_shape).to(ctx.dtypes[1])
         return dq, dk, dv, dbias, None
+
+
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` contiguous in ``dtype`` with one copy at most (``.to(dtype).contiguous()`` casts, then
+    copies again to reorder a view such as a head-split (B, h, T, hd) of a (B, T, h, hd) tensor)."""
+    return t.contiguous() if t.dtype == dtype else torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
 
 
 def _explicit_attention(q, k, v, attn_mask, valid_rows, dropout_p, scale=None):

@@ -155,42 +155,56 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, ignore: int, smoothing: float):
         keep = labels != ignore
         target = labels.masked_fill(~keep, 0)[:, None]  # (N, 1)
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         starts, rows = ChunkedCrossEntropy._chunks(logits)
         for s in starts:
-            lse[s:s + rows], row_loss = _smoothed_row_loss(logits[s:s + rows].float(), target[s:s + rows], smoothing)
+            row_loss = _smoothed_row_loss(logits[s:s + rows].float(), target[s:s + rows], smoothing)
             total += row_loss.masked_fill(~keep[s:s + rows], 0.0).sum()
         count = keep.sum()
-        ctx.save_for_backward(logits, target, keep, lse, count)
+        ctx.save_for_backward(logits, target, keep, count)
         ctx.smoothing = smoothing
         return total / count
 
     @staticmethod
     def backward(ctx, grad_out):
-        logits, target, keep, lse, count = ctx.saved_tensors
+        logits, target, keep, count = ctx.saved_tensors
         row_scale = keep.float() * (grad_out.float() / count)  # (N,): 0 on ignored rows
         grad = torch.empty_like(logits)
         starts, rows = ChunkedCrossEntropy._chunks(logits)
         for s in starts:
             g = logits[s:s + rows].to(torch.float32, copy=True)  # (rows, V): the saved logits stay as they are
-            grad[s:s + rows] = _smoothed_logit_grad_(g, lse[s:s + rows], target[s:s + rows], ctx.smoothing,
-                                                     row_scale[s:s + rows])
+            grad[s:s + rows] = _smoothed_logit_grad_(torch.softmax(g, dim=1, out=g), target[s:s + rows],
+                                                     ctx.smoothing, row_scale[s:s + rows])
         return grad, None, None, None
 
 
 def _smoothed_row_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float):
-    """fp32 logits (R, V), targets (R, 1) → (log-sum-exp, loss) per row: lse − (1−ε)·l_y − ε·mean(l)."""
+    """fp32 logits (R, V), targets (R, 1) → the loss per row: lse − (1−ε)·l_y − ε·mean(l)."""
     lse = torch.logsumexp(logits, dim=-1)
-    return lse, lse - (1 - smoothing) * logits.gather(1, target).squeeze(1) - smoothing * logits.mean(dim=-1)
+    return lse - (1 - smoothing) * logits.gather(1, target).squeeze(1) - smoothing * logits.mean(dim=-1)
 
 
-def _smoothed_logit_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, smoothing: float,
+def _smoothed_logit_grad_(probs: torch.Tensor, target: torch.Tensor, smoothing: float,
                           row_scale: torch.Tensor) -> torch.Tensor:
-    """In place, fp32 logits (R, V) → their gradient: (softmax − (1−ε)·[j = y] − ε/V) · row_scale."""
-    g = logits.sub_(lse[:, None]).exp_()  # softmax
-    g.sub_(smoothing / g.shape[1]).scatter_add_(1, target, torch.full_like(target, smoothing - 1, dtype=g.dtype))
-    return g.mul_(row_scale[:, None])
+    """In place, fp32 softmax (R, V) → the logits' gradient: (softmax − (1−ε)·[j = y] − ε/V) · row_scale."""
+    scale = row_scale[:, None]  # (R, 1)
+    g = probs.mul_(scale).sub_(scale * (smoothing / probs.shape[1]))
+    return g.scatter_add_(1, target, scale * (smoothing - 1))
+
+
+def _smoothed_loss_and_grad_(logits: torch.Tensor, target: torch.Tensor, smoothing: float,
+                             row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, fp32 logits (R, V) → (loss per row, their gradient over the logits). One softmax,
+    which PyTorch's CPU kernel computes a row at a time in cache, where ``logsumexp`` then
+    ``sub_``/``exp_`` made ~6 passes over the chunk (5.3 → 1.9 ms for 524 × 8,000 logits, 33 → 13 ms
+    for 256 × 49,000 on the EPYC of docs/results.md). The log-sum-exp comes back from the largest
+    probability, at the largest logit: lse = max − log(p_max), with p_max ≥ 1/V, so its log is
+    exact where the target's probability could underflow."""
+    max_logit, target_logit, mean_logit = logits.amax(dim=1), logits.gather(1, target).squeeze(1), logits.mean(dim=1)
+    probs = torch.softmax(logits, dim=1, out=logits)
+    lse = max_logit - probs.amax(dim=1).log()  # (the largest probability is the largest logit's)
+    row_loss = lse - (1 - smoothing) * target_logit - smoothing * mean_logit
+    return row_loss, _smoothed_logit_grad_(probs, target, smoothing, row_scale)
 
 
 def forward_to_output_loss(model, forward, pad_id: int | None):
@@ -261,9 +275,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 else:
                     torch.mm(xc, w.t(), out=logits)
                 g = upcast[:xc.shape[0]].copy_(logits) if upcast is not None else logits  # fp32 logits
-                lse, row_loss = _smoothed_row_loss(g, t, smoothing)  # (R,), (R,)
+                row_loss, g = _smoothed_loss_and_grad_(g, t, smoothing, row_scale[s:s + rows])  # (R,), d loss / d logits
                 total += row_loss.masked_fill(~keep[s:s + rows], 0.0).sum()
-                g = _smoothed_logit_grad_(g, lse, t, smoothing, row_scale[s:s + rows])  # d loss / d logits
                 if need_b:
                     grad_b += g.sum(0)
                 if upcast is not None:
