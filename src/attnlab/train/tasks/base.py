@@ -196,8 +196,8 @@ def _smoothed_loss_and_grad_(logits: torch.Tensor, target: torch.Tensor, smoothi
                              row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, fp32 logits (R, V) → (loss per row, their gradient over the logits). One softmax,
     which PyTorch's CPU kernel computes a row at a time in cache, where ``logsumexp`` then
-    ``sub_``/``exp_`` made ~6 passes over the chunk (5.3 → 1.9 ms for 524 × 8,000 logits, 33 → 13 ms
-    for 256 × 49,000 on the EPYC of docs/results.md). The log-sum-exp comes back from the largest
+    ``sub_``/``exp_`` made ~6 passes over the chunk (5.4–5.9 → 1.9–2.0 ms for 524 × 8,000 logits,
+    36–37 → 8–9 ms for 256 × 49,152, 2 threads on the EPYC of docs/results.md). The log-sum-exp comes back from the largest
     probability, at the largest logit: lse = max − log(p_max), with p_max ≥ 1/V, so its log is
     exact where the target's probability could underflow."""
     max_logit, target_logit, mean_logit = logits.amax(dim=1), logits.gather(1, target).squeeze(1), logits.mean(dim=1)
