@@ -188,6 +188,7 @@ def test_short_key_training_attention_equals_the_oracle(case):
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     out, _ = scaled_dot_product_attention(*ins, mask=mask, is_causal=is_causal)
     assert "ShortAttentionBackward" in _graph_nodes(out)
+    assert out.transpose(1, 2).is_contiguous()  # in the (B, T, h, hd) memory the heads are merged from: no copy there
     out.backward(grad)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     for got, want in zip(ins, ref_in):
@@ -200,8 +201,9 @@ def test_short_key_training_attention_edge_cases():
     """ShortAttention beside the oracle where the model's callers differ from the plain case: a float bias
     and scale=1 (ALiBi), a learned bias and its gradient (T5), a per-query (B, 1, Tq, Tk) mask, non-contiguous views,
     gradients for q only, fewer queries than keys under is_causal (aligned as causal_mask, in training
-    and inference alike), fp16 inputs (computed in fp32: finite where fp16 scores would overflow), and a
-    second derivative, which it refuses rather than gets wrong."""
+    and inference alike), bf16 inputs with GQA and a learned bias (fp32 inside, bf16 out and back), fp16 inputs
+    (computed in fp32: finite where fp16 scores would overflow), and a second derivative, which it refuses
+    rather than gets wrong."""
     torch.manual_seed(0)
     B, h, T, hd = 2, 4, 10, 8
     qkv = torch.randn(B, T, 3 * h * hd)
@@ -239,6 +241,22 @@ def test_short_key_training_attention_edge_cases():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     for got, want in zip([*ins, learned], [*ref_in, ref_bias]):
         torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
+    # bf16 inputs (autocast's projections) with GQA and a bf16 learned bias under padding: computed in fp32,
+    # returned and differentiated in bf16
+    half = [t.bfloat16().requires_grad_() for t in (q, k[:, :2], v[:, :2])]
+    learned = bias.bfloat16().requires_grad_()
+    out, _ = scaled_dot_product_attention(*half, mask=tok[:, None, None, :], bias=learned, scale=1.0)
+    assert "ShortAttentionBackward" in _graph_nodes(out) and out.dtype == torch.bfloat16
+    ref_in = [t.detach().double().requires_grad_() for t in half]
+    ref_bias = learned.detach().double().requires_grad_()
+    ref = _attention_oracle(*ref_in, tok[:, None, None, :], bias=ref_bias, scale=1.0)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)  # bf16 rounding of the result
+    for got, want in zip([*half, learned], [*ref_in, ref_bias]):
+        assert got.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=2e-2 * want.grad.abs().max().item(), rtol=2e-2)
     q5 = q[:, :, -4:].clone().requires_grad_()
     trained, _ = scaled_dot_product_attention(q5, k, v, is_causal=True)
     with torch.no_grad():
@@ -316,3 +334,5 @@ def test_dropout_zeroes_p_of_the_values_and_keeps_the_expectation():
         y.sum().backward()
         assert torch.equal(x.grad, y.detach())  # d/dx of x·mask·scale with x = 1
         assert torch.equal(drop.eval()(x), x)
+    near_one = Dropout(1 - 1 / 131072).train()  # rounds to 65536/65536 dropped: PyTorch's dropout, no division by 0
+    assert (near_one(x) == 0).float().mean() > 0.999

@@ -83,9 +83,10 @@ def scaled_dot_product_attention(
     # PyTorch's fused kernel (see ShortAttention).
     short = training_on_cpu and k.shape[2] <= SHORT_KEYS and not dropout_p
     if q.dtype == torch.bfloat16 and q.requires_grad and training_on_cpu and k.shape[2] <= 512 and not short:
-        # Training in bf16 on CPU: PyTorch's fused kernel computes its backward ~4x slower in bf16
-        # than in fp32 for short sequences (12x4 heads, T 64, d 32: 5.7 vs 1.4 ms forward+backward;
-        # still slower at T 256, faster only from ~1k keys). The projections around it stay in half
+        # Training in bf16 on CPU with more keys than ShortAttention takes: PyTorch's fused kernel
+        # computes its backward ~4x slower in bf16 than in fp32 for short sequences (measured at
+        # 12x4 heads, T 64, d 32: 5.7 vs 1.4 ms forward+backward; still slower at T 256, faster only
+        # from ~1k keys). The projections around it stay in half
         # precision; autocast, which would cast the inputs back, is off for this one call.
         # (ShortAttention takes half-precision inputs as they are and computes in fp32 itself.)
         q, k, v, fp32_kernel = q.float(), k.float(), v.float(), True
@@ -119,7 +120,7 @@ def scaled_dot_product_attention(
         weights = None
     out = out.to(out_dtype)
     if valid_rows is not None:
-        out = out.masked_fill(~valid_rows, 0.0)
+        out = torch.where(valid_rows, out, 0.0)  # (keeps ShortAttention's layout, where masked_fill makes it contiguous)
     return out, weights
 
 

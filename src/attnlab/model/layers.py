@@ -40,9 +40,9 @@ class Dropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x  # (no F.dropout call: a decoding step passes ~90 of these)
-        if self.p == 1.0 or x.device.type != "cpu":
-            return super().forward(x)
         dropped = round(self.p * 65536)
+        if dropped == 65536 or x.device.type != "cpu":  # (p within 1/131072 of 1 rounds to all dropped)
+            return super().forward(x)
         n = x.numel()
         draws = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-2 ** 63, None)  # 64 random bits
         lanes = draws.view(torch.int16)[:n].view(x.shape)  # 4 lanes, each uniform on [-32768, 32767]

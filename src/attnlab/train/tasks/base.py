@@ -166,6 +166,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return total / count
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (the softmax below is not differentiated again)
     def backward(ctx, grad_out):
         logits, target, keep, count = ctx.saved_tensors
         row_scale = keep.float() * (grad_out.float() / count)  # (N,): 0 on ignored rows
@@ -194,12 +195,13 @@ def _smoothed_logit_grad_(probs: torch.Tensor, target: torch.Tensor, smoothing: 
 
 def _smoothed_loss_and_grad_(logits: torch.Tensor, target: torch.Tensor, smoothing: float,
                              row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place, fp32 logits (R, V) → (loss per row, their gradient over the logits). One softmax,
-    which PyTorch's CPU kernel computes a row at a time in cache, where ``logsumexp`` then
-    ``sub_``/``exp_`` made ~6 passes over the chunk (5.4–5.9 → 1.9–2.0 ms for 524 × 8,000 logits,
-    36–37 → 8–9 ms for 256 × 49,152, 2 threads on the EPYC of docs/results.md). The log-sum-exp comes back from the largest
-    probability, at the largest logit: lse = max − log(p_max), with p_max ≥ 1/V, so its log is
-    exact where the target's probability could underflow."""
+    """In place, fp32 logits (R, V) → (loss per row, their gradient over the logits). One in-place
+    softmax, which PyTorch's CPU kernel computes a row at a time in cache, and a few cheap
+    reductions (max, mean), where ``logsumexp`` then ``sub_``/``exp_`` made ~6 full passes over the
+    chunk (5.4–5.9 → 1.9–2.0 ms for 524 × 8,000 logits, 36–37 → 8–9 ms for 256 × 49,152; 2 threads,
+    the EPYC of docs/results.md). The log-sum-exp comes back from the largest probability, at the
+    largest logit: lse = max − log(p_max). p_max ≥ 1/V, so its log keeps fp32 accuracy where the
+    target's probability could underflow to 0."""
     max_logit, target_logit, mean_logit = logits.amax(dim=1), logits.gather(1, target).squeeze(1), logits.mean(dim=1)
     probs = torch.softmax(logits, dim=1, out=logits)
     lse = max_logit - probs.amax(dim=1).log()  # (the largest probability is the largest logit's)
