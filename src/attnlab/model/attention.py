@@ -86,9 +86,9 @@ def scaled_dot_product_attention(
         # Training in bf16 on CPU with more keys than ShortAttention takes: PyTorch's fused kernel
         # computes its backward ~4x slower in bf16 than in fp32 for short sequences (measured at
         # 12x4 heads, T 64, d 32: 5.7 vs 1.4 ms forward+backward; still slower at T 256, faster only
-        # from ~1k keys). The projections around it stay in half
-        # precision; autocast, which would cast the inputs back, is off for this one call.
-        # (ShortAttention takes half-precision inputs as they are and computes in fp32 itself.)
+        # from ~1k keys). The projections around it stay in half precision; autocast, which would
+        # cast the inputs back, is off for this one call. (ShortAttention takes half-precision
+        # inputs as they are and computes in fp32 itself.)
         q, k, v, fp32_kernel = q.float(), k.float(), v.float(), True
     scores_dtype = ShortAttention.compute_dtype(q) if short else q.dtype
     attn_mask = mask

@@ -179,9 +179,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _smoothed_row_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float):
-    """fp32 logits (R, V), targets (R, 1) → the loss per row: lse − (1−ε)·l_y − ε·mean(l)."""
-    lse = torch.logsumexp(logits, dim=-1)
+def _smoothed_row_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float,
+                       lse: torch.Tensor | None = None):
+    """fp32 logits (R, V), targets (R, 1) → the loss per row: lse − (1−ε)·l_y − ε·mean(l), with the
+    rows' log-sum-exp ``lse`` computed here unless given."""
+    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
     return lse - (1 - smoothing) * logits.gather(1, target).squeeze(1) - smoothing * logits.mean(dim=-1)
 
 
@@ -202,10 +204,9 @@ def _smoothed_loss_and_grad_(logits: torch.Tensor, target: torch.Tensor, smoothi
     the EPYC of docs/results.md). The log-sum-exp comes back from the largest probability, at the
     largest logit: lse = max − log(p_max). p_max ≥ 1/V, so its log keeps fp32 accuracy where the
     target's probability could underflow to 0."""
-    max_logit, target_logit, mean_logit = logits.amax(dim=1), logits.gather(1, target).squeeze(1), logits.mean(dim=1)
+    loss_but_log_p_max = _smoothed_row_loss(logits, target, smoothing, lse=logits.amax(dim=1))  # (before the overwrite)
     probs = torch.softmax(logits, dim=1, out=logits)
-    lse = max_logit - probs.amax(dim=1).log()  # (the largest probability is the largest logit's)
-    row_loss = lse - (1 - smoothing) * target_logit - smoothing * mean_logit
+    row_loss = loss_but_log_p_max - probs.amax(dim=1).log()  # (the largest probability is the largest logit's)
     return row_loss, _smoothed_logit_grad_(probs, target, smoothing, row_scale)
 
 
