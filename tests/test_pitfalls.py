@@ -311,11 +311,26 @@ def test_bf16_training_attention_runs_in_fp32_on_cpu():
         assert torch.equal(frozen, F.scaled_dot_product_attention(q, k, v, is_causal=True))  # the bf16 kernel
 
 
-def test_dropout_zeroes_p_of_the_values_and_keeps_the_expectation():
-    """attnlab's CPU dropout (four 16-bit uniforms per 64-bit draw): the dropped share is p in every
-    one of the four lanes (a biased lane would show here), kept values are scaled by 1/(1-p), the
-    gradient flows through the kept ones only, the same seed gives the same mask, eval is the identity."""
+def _dropout_path(monkeypatch, path):
+    """``kernel``: attnlab's CPU kernel (skipped where it cannot build); ``torch``: the path without it."""
+    from attnlab.model import layers
+    if path == "torch":
+        monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
+    else:
+        monkeypatch.delenv("ATTNLAB_OWN_KERNELS", raising=False)
+        if not layers.fused_dropout():
+            pytest.skip("attnlab's dropout kernel does not build here (no C++ compiler or ninja)")
+    assert layers.fused_dropout() == (path == "kernel")
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_dropout_zeroes_p_of_the_values_and_keeps_the_expectation(monkeypatch, path):
+    """attnlab's CPU dropout, both paths: the dropped share is p in every residue mod 4 (the torch path's
+    four 16-bit lanes per draw: a biased lane would show here), kept values are scaled by 1/(1-p), the
+    gradient flows through the kept ones only, the same seed gives the same mask and the next call
+    another, eval is the identity."""
     from attnlab.model.layers import Dropout
+    _dropout_path(monkeypatch, path)
     n = 1 << 20
     x = torch.ones(n, requires_grad=True)
     for p in (0.1, 0.3):
@@ -330,9 +345,98 @@ def test_dropout_zeroes_p_of_the_values_and_keeps_the_expectation():
         assert abs(y.mean().item() - 1.0) < 5 * math.sqrt(p / (1 - p) / n)  # E[dropout(x)] = x
         torch.manual_seed(0)
         assert torch.equal(drop(x), y)
+        assert not torch.equal(drop(x), y)
         x.grad = None
         y.sum().backward()
         assert torch.equal(x.grad, y.detach())  # d/dx of x·mask·scale with x = 1
         assert torch.equal(drop.eval()(x), x)
     near_one = Dropout(1 - 1 / 131072).train()  # rounds to 65536/65536 dropped: PyTorch's dropout, no division by 0
     assert (near_one(x) == 0).float().mean() > 0.999
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _lowbias32(x):  # Chris Wellons' lowbias32 on int64 tensors holding 32-bit values (products split: no overflow)
+    def mul32(v, c):
+        return ((((v * (c >> 16)) & 0xFFFF) << 16) + v * (c & 0xFFFF)) & _M32
+    x = x ^ (x >> 16)
+    x = mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _kernel_keep(n, seed, dropped):
+    """The mask csrc/dropout.cpp documents, recomputed with torch's integer operations: element i is
+    kept where the top 16 bits of lowbias32(lowbias32(i_lo ^ seed_lo) + (seed_hi ^ i_hi)) are >= dropped."""
+    i = torch.arange(n, dtype=torch.int64)
+    seed %= 1 << 64  # (the op takes the seed as a signed 64-bit integer)
+    inner = _lowbias32((i & _M32) ^ (seed & _M32))
+    return (_lowbias32((inner + ((i >> 32) ^ (seed >> 32))) & _M32) >> 16) >= dropped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dropout_kernel_is_the_hash_it_documents(monkeypatch, dtype):
+    """Every element of ``attnlab::dropout`` against the hash recomputed here, for sizes around its blocks
+    of 512 and a tail, negative and large seeds, a non-contiguous input; the kept values are x·scale
+    rounded once to the dtype, the dropped ones 0; 1 thread and 2 give the same result."""
+    _dropout_path(monkeypatch, "kernel")
+    g = torch.Generator().manual_seed(0)
+    for n, seed, dropped in ((1, 7, 6554), (511, -1, 6554), (512, 2 ** 63 - 1, 19661), (513, -2 ** 63, 32768),
+                             (100_003, 0x1234_5678_9ABC_DEF0, 6554)):
+        x = torch.randn(n, generator=g).to(dtype)
+        scale = 65536 / (65536 - dropped)
+        got = torch.ops.attnlab.dropout(x, seed, dropped, scale)
+        keep = _kernel_keep(n, seed, dropped)
+        assert torch.equal(got, torch.where(keep, x.float() * scale, 0.0).to(dtype)), (n, seed)
+    x = torch.randn(64, 48, generator=g).to(dtype)
+    strided = torch.ops.attnlab.dropout(x.t(), 3, 6554, 1.5)  # (a view: the kernel reads it in x.t()'s order)
+    assert torch.equal(strided, torch.ops.attnlab.dropout(x.t().contiguous(), 3, 6554, 1.5))
+    big = torch.randn(300_000, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.attnlab.dropout(big, 99, 6554, 1.25)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, torch.ops.attnlab.dropout(big, 99, 6554, 1.25))
+
+
+def test_dropout_kernel_bits_are_uniform_and_independent(monkeypatch):
+    """The kernel's 16-bit uniforms, seen through thresholds: P(dropped) = dropped/65536 for every
+    sixteenth of the range; neighbouring elements and two seeds' masks uncorrelated."""
+    _dropout_path(monkeypatch, "kernel")
+    n = 1 << 20
+    ones = torch.ones(n)
+    for k in range(1, 16):
+        kept = torch.ops.attnlab.dropout(ones, 11, k * 4096, 1.0) != 0
+        p = k / 16
+        assert abs(1 - kept.float().mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n), k
+    a = (torch.ops.attnlab.dropout(ones, 1, 32768, 1.0) != 0).float() - 0.5
+    b = (torch.ops.attnlab.dropout(ones, 2, 32768, 1.0) != 0).float() - 0.5
+    bound = 5 / math.sqrt(n)
+    assert abs((a[1:] * a[:-1]).mean().item() * 4) < bound  # lag 1
+    assert abs((a[2:] * a[:-2]).mean().item() * 4) < bound  # lag 2
+    assert abs((a * b).mean().item() * 4) < bound  # seeds 1 and 2
+
+
+def test_dropout_kernel_gradients_of_any_order(monkeypatch):
+    """y = keep ⊙ x · s: dy/dx applies the same mask to the incoming gradient, and that gradient's own
+    gradient again (the backward is the kernel, with the forward's seed); bf16 in, bf16 gradient out."""
+    from attnlab.model.layers import Dropout
+    _dropout_path(monkeypatch, "kernel")
+    drop = Dropout(0.25).train()
+    x = torch.randn(3, 1000, requires_grad=True)
+    y = drop(x)
+    mask = y != 0  # (x is never exactly 0 here)
+    g = torch.randn(3, 1000, requires_grad=True)
+    (dx,) = torch.autograd.grad(y, x, g, create_graph=True)
+    assert torch.equal(dx, torch.where(mask, g.detach() * (4 / 3), 0.0))
+    h = torch.randn(3, 1000)
+    (dg,) = torch.autograd.grad(dx, g, h)
+    assert torch.equal(dg, torch.where(mask, h * (4 / 3), 0.0))
+    bf = torch.randn(4, 300, dtype=torch.bfloat16, requires_grad=True)
+    out = drop(bf)
+    out.backward(torch.ones_like(out))
+    assert bf.grad.dtype == torch.bfloat16 and torch.equal(bf.grad != 0, out != 0)

@@ -350,6 +350,35 @@ def cxx_compiler() -> str | None:
     return None
 
 
+def _ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; pip's ``ninja`` package (a dependency) installs it next
+    to this Python, which is not on PATH when a virtual environment's Python is run without activating it."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str | None:
+    """Build ``src/attnlab/csrc/<source>`` (a library of ``torch.ops.attnlab`` operators, ``op`` among them)
+    with ``cflags``, or load it from torch's extension cache (keyed by ``name`` and the source), into this
+    process. None when ``op`` is loaded; else why not (no C++ compiler, no ninja: checked every time). A
+    failed build raises."""
+    from torch.utils import cpp_extension
+    _ninja_on_path()
+    if cxx_compiler() is None or not cpp_extension.is_ninja_available():
+        return "no C++ compiler or no ninja (pip install ninja)"
+    if hasattr(torch.ops.attnlab, op):
+        return None
+    path = os.path.join(os.path.dirname(__file__), "csrc", source)
+    # -fopenmp: at::parallel_for is PyTorch's OpenMP loop, serial in code built without it
+    cpp_extension.load(name=name, sources=[path], is_python_module=False,
+                       extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return None
+
+
 def can_compile(device: torch.device | str = "cpu") -> bool:
     """Whether ``torch.compile`` can generate code for ``device`` here."""
     if _env_off("ATTNLAB_COMPILE"):

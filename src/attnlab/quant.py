@@ -14,10 +14,12 @@ bandwidth. The activations stay floating point, so nothing needs calibration dat
   ``q = round(W / scale)``. Each weight is off by at most ``scale / 2``: 1/254 ≈ 0.4% of its row's
   largest |weight|. A scale per row (not one per matrix) keeps a row of small weights from being rounded away
   by another row's outlier.
-* **int4**, asymmetric per group of ``group_size`` consecutive inputs of a row: 16 levels from the
-  group's minimum to its maximum, ``W ≈ (q - 8) · scale + zero`` with ``q`` in 0…15 (the layout of
-  PyTorch's int4 kernel, and exactly llama.cpp's Q4_1 for groups of 32). Error ≤ (max - min) / 30 per
-  weight; the small groups are what keep it usable.
+* **int4**, per group of ``group_size`` consecutive inputs of a row, ``W ≈ (q - 8) · scale + zero``
+  with ``q`` in 0…15 (the layout of PyTorch's int4 kernel). Each group takes the better of two grids
+  (the smaller largest error): 16 levels from its minimum to its maximum (llama.cpp's Q4_1 for groups
+  of 32), or symmetric, ``zero = 0`` and ``scale`` = −(its value of largest magnitude)/8 (llama.cpp's
+  Q4_0). So a GGUF's Q4_1 or Q4_0 weights come back exactly, not quantised a second time. Error ≤
+  (max - min) / 30 per weight; the small groups are what keep it usable.
 
 Every ``nn.Linear`` is replaced, including the output projection (``lm_head``), which int4 keeps at
 int8: the logits are the most sensitive product (llama.cpp's Q4 files keep their output matrix at 6-8
@@ -90,7 +92,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .accel import _env_off, _env_on, _once
+from .accel import _env_off, _env_on, _ninja_on_path, _once  # (_ninja_on_path: the tests call it from here)
 
 KINDS = ("int8", "int4")
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
@@ -152,18 +154,13 @@ def _build_own_kernels() -> bool:
         _once("own-isa", "attnlab's quantised kernels need AVX2, FMA and F16C: not on this CPU")
         return False
     try:
-        from torch.utils import cpp_extension
-        _ninja_on_path()
-        if accel.cxx_compiler() is None or not cpp_extension.is_ninja_available():
-            _once("own-tools", "attnlab's quantised kernels need a C++ compiler and ninja (pip install ninja): "
-                  "PyTorch's kernels instead")
+        loaded = hasattr(torch.ops.attnlab, "int4_matvec")
+        why_not = accel.build_torch_ops("attnlab_quant_matvec", "quant_matvec.cpp", ["-mavx2", "-mfma", "-mf16c"],
+                                        "int4_matvec")
+        if why_not:
+            _once("own-tools", f"attnlab's quantised kernels: {why_not}; PyTorch's kernels instead")
             return False
-        if not hasattr(torch.ops.attnlab, "int4_matvec"):
-            source = os.path.join(os.path.dirname(__file__), "csrc", "quant_matvec.cpp")
-            # -fopenmp: at::parallel_for is PyTorch's OpenMP loop, serial in code built without it
-            cpp_extension.load(name="attnlab_quant_matvec", sources=[source], is_python_module=False,
-                               extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
-
+        if not loaded:
             @torch.library.register_fake("attnlab::int8_matvec")
             def _(x, w, scales):  # (M, K), (N, K), (N,) → (M, N)
                 return x.new_empty(x.shape[0], w.shape[0])
@@ -219,18 +216,6 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor)
     (max |x| / 65534), each product by that times |w|·scale."""
     step = x.abs().double().amax(dim=1, keepdim=True) / 65534  # (M, 1)
     return step * (w.abs().double().sum(dim=1) * scales.abs().double())  # (M, N)
-
-
-def _ninja_on_path() -> None:
-    """cpp_extension runs ``ninja`` from PATH; pip's ``ninja`` package (a dependency) installs it next
-    to this Python, which is not on PATH when a virtual environment's Python is run without activating it."""
-    import shutil
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def check_kind(kind) -> str | None:
@@ -489,10 +474,23 @@ class Int4Linear(_QuantLinear):
         N, K = w.shape
         w = F.pad(w, (0, layer.weight_int4.shape[1] * 2 - K))  # (N, Kp): whole groups
         g = w.view(N, -1, group_size)  # (N, G, gs)
+        # Two grids per group, and the one whose largest error is smaller (the min-max one on a tie):
+        # min-max, 16 levels from the group's min to its max (llama.cpp's Q4_1 rule), and symmetric,
+        # (q - 8)·d with d = −(the value of largest magnitude)/8 (its Q4_0 rule). Weights dequantised from a
+        # GGUF's Q4_1 or Q4_0 blocks thus come back exactly (not quantised twice), and no group is worse
+        # than on the min-max grid alone.
         lo, hi = g.amin(-1), g.amax(-1)  # (N, G)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)  # 16 levels from the group's min to its max
-        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(N, -1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)  # (N, G, gs)
         zero = lo + 8 * scale  # the kernel computes (q - 8)·scale + zero; q = 0 ↔ lo
+        err = ((q - 8) * scale[..., None] + zero[..., None] - g).abs().amax(-1)  # (N, G)
+        extreme = torch.where(-lo > hi, lo, hi)  # the value of largest magnitude (signed)
+        d = extreme / -8
+        q_sym = torch.round(g / torch.where(d == 0, 1.0, d)[..., None]).add_(8).clamp_(0, 15)
+        err_sym = ((q_sym - 8) * d[..., None] - g).abs().amax(-1)
+        sym = err_sym < err
+        q = torch.where(sym[..., None], q_sym, q).to(torch.uint8).view(N, -1)
+        scale, zero = torch.where(sym, d, scale), torch.where(sym, 0.0, zero)
         layer.set_int4(q, scale.t(), zero.t())
         return layer
 

@@ -29,13 +29,23 @@ class RMSNorm(nn.Module):
 class Dropout(nn.Dropout):
     """Inverted dropout: zero each value with probability p and scale the rest by 1/(1-p) while
     training, so inference needs no rescaling. nn.Dropout everywhere but on CPU, where PyTorch
-    draws one random number per element (bernoulli_, ~3–6 ns each: 17 of them were 10% of a
-    Marian training step in bf16). Here one 64-bit draw of torch's generator (so seeds and
-    resumed runs stay reproducible) gives four 16-bit uniforms: p is rounded to a multiple of
-    1/65536 (0.1 → 0.100006) and the kept values are scaled by 1/(1 − that p), so the expected
-    value is unchanged. One comparison makes the mask (15-bit lanes needed a mask-and first), and
-    the mask multiplies: the old mask with ``masked_fill``, forward and backward, took 1.1–1.7× as
-    long on a (64, 24, 256) activation (2 threads)."""
+    draws one random number per element, serially (bernoulli_, ~3–6 ns each: 17 of them were 10% of
+    a Marian training step in bf16). p is rounded to a multiple of 1/65536 (0.1 → 0.100006) and the
+    kept values are scaled by 1/(1 − that p), so the expected value is unchanged.
+
+    On CPU, where attnlab's kernel builds (``csrc/dropout.cpp``, :func:`fused_dropout`): one pass, the
+    16 random bits of each element a hash of its index and a seed drawn from torch's generator (one
+    draw per call, so seeds and resumed runs stay reproducible), the backward the same function of the
+    gradient, no mask stored. Forward + backward of a (64, 24, 256) fp32 activation (2 threads): ~0.2
+    ms, against ~1.1 for the torch path below. Elsewhere (no compiler, ``ATTNLAB_OWN_KERNELS=0``) that
+    torch path: one 64-bit draw of torch's generator per four elements, four 16-bit uniforms, one
+    comparison, a ``torch.where`` (the same masks are not the kernel's: a seed gives one run per path).
+
+    Under ``torch.compile`` (``attnlab train --compile``) the torch path, whose draw is a graph break:
+    dynamo does not trace ``random_``. Kept so on purpose: letting inductor make the masks itself
+    (``F.dropout`` in the graph, no break) was slower, its per-element CPU generator costing more than
+    the breaks (Marian d256 step, fp32, 2 threads, before the kernel: 551 ms against 465 with the
+    breaks, eager 474; eager with the kernel: 446)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
@@ -43,11 +53,69 @@ class Dropout(nn.Dropout):
         dropped = round(self.p * 65536)
         if dropped == 65536 or x.device.type != "cpu":  # (p within 1/131072 of 1 rounds to all dropped)
             return super().forward(x)
+        if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and fused_dropout():
+            seed = int(torch.empty((), dtype=torch.int64).random_(-2 ** 63, None))  # 64 random bits
+            return _FusedDropout.apply(x, seed, dropped)
         n = x.numel()
-        draws = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-2 ** 63, None)  # 64 random bits
-        lanes = draws.view(torch.int16)[:n].view(x.shape)  # 4 lanes, each uniform on [-32768, 32767]
+        draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-2 ** 63, None)
+        lanes = draws.view(torch.int16)[:n].view(x.shape)  # 4 lanes per draw, each uniform on [-32768, 32767]
         keep = lanes >= dropped - 32768  # (bool: the 1-byte mask is what autograd keeps)
-        return (x * keep).mul_(65536 / (65536 - dropped))
+        return torch.where(keep, x * (65536 / (65536 - dropped)), 0.0)
+
+
+class _FusedDropout(torch.autograd.Function):
+    """``attnlab::dropout``: y = keep ⊙ x · scale with keep a function of (seed, element index), so the
+    gradient is the same function of dy (and its gradient again: any order)."""
+
+    @staticmethod
+    def forward(ctx, x, seed: int, dropped: int):
+        ctx.seed, ctx.dropped = seed, dropped
+        return torch.ops.attnlab.dropout(x, seed, dropped, 65536 / (65536 - dropped))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _FusedDropout.apply(grad, ctx.seed, ctx.dropped), None, None
+
+
+_FUSED: dict = {}  # "ok" → whether attnlab::dropout is built and right here (once per process)
+
+
+def fused_dropout() -> bool:
+    """Whether :class:`Dropout` takes attnlab's kernel on CPU: not ``ATTNLAB_OWN_KERNELS=0``, not while
+    torch.compile traces, and where it builds (a C++ compiler and ninja; tried once per process,
+    for this CPU's vector extensions as PyTorch runs them) and passes a check."""
+    from .. import accel
+    if torch.compiler.is_compiling() or accel._env_off("ATTNLAB_OWN_KERNELS"):
+        return False
+    if "ok" not in _FUSED:
+        _FUSED["ok"] = _build_fused_dropout()
+    return _FUSED["ok"]
+
+
+def _build_fused_dropout() -> bool:
+    from .. import accel
+    capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2 (also when capped), or another
+    flags = accel.cpu_flags()
+    if capability == "AVX512" and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2"} <= flags:
+        name, cflags = "attnlab_dropout_avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2"]
+    elif capability in ("AVX512", "AVX2") and "avx2" in flags:
+        name, cflags = "attnlab_dropout_avx2", ["-mavx2"]
+    else:
+        name, cflags = "attnlab_dropout", []  # (the compiler's baseline: SSE2 on x86, NEON on ARM)
+    try:
+        why_not = accel.build_torch_ops(name, "dropout.cpp", cflags, "dropout")
+        if why_not:
+            accel._once("dropout-tools", f"attnlab's dropout kernel: {why_not}; torch's operations instead")
+            return False
+        y = torch.ops.attnlab.dropout(torch.ones(4096), 12345, 32768, 2.0)  # p = 1/2
+        ok = bool(((y == 0) | (y == 2)).all()) and 1800 < int((y == 2).sum()) < 2300
+    except Exception as e:  # a compiler that cannot build it, a failed load
+        accel._once("dropout-build", f"attnlab's dropout kernel did not build ({str(e).strip().splitlines()[:2]}): "
+                    "torch's operations instead")
+        return False
+    if not ok:
+        accel._once("dropout-wrong", "attnlab's dropout kernel gives wrong results here: torch's operations instead")
+    return ok
 
 
 def make_norm(cfg: TransformerConfig) -> nn.Module:

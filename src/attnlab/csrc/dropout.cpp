@@ -1,0 +1,131 @@
+// Dropout on CPU in one pass: out[i] = keep(i) ? x[i] * scale : 0, for fp32, bf16 and fp16 tensors.
+//
+// keep(i) = (hash(seed, i) >> 16) >= dropped: 16 random bits per element from a counter-based hash of the
+// element's index and a 64-bit seed (attnlab.model.layers.Dropout draws the seed from torch's generator, one
+// draw per call). Why: PyTorch's CPU dropout draws every element from one Mersenne Twister, serially (3-6 ns
+// each), and attnlab's torch-only path still needs one 64-bit draw per 4 elements, a comparison, a bool mask
+// kept for the backward and a multiply. Here the mask is a function of (seed, i): any thread computes any
+// element, the result does not depend on the number of threads, and the backward is this same function of the
+// gradient with the same seed, so no mask is stored.
+//
+// The hash is Chris Wellons' "lowbias32" (xor-shift-multiply, measured among the best 32-bit integer mixers),
+// applied twice with the seed's two halves in between; tests/test_layers.py recomputes it with torch's integer
+// ops and compares every element. Built on first use by torch.utils.cpp_extension (attnlab.accel.load_extension).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+
+namespace {
+
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// The random lanes of elements i0 … i0 + len (a block that does not cross a multiple of 2^32) into h: a
+// loop of 32-bit integer operations only, which the compiler vectorises.
+inline void lanes(int64_t i0, int64_t len, uint32_t k0, uint32_t k1, uint32_t* h) {
+  const uint32_t base = static_cast<uint32_t>(i0), k = k1 ^ static_cast<uint32_t>(i0 >> 32);
+  for (int64_t t = 0; t < len; ++t) h[t] = lowbias32(lowbias32((base + static_cast<uint32_t>(t)) ^ k0) + k) >> 16;
+}
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as c10::BFloat16; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t rounded = (u + 0x7FFFU + ((u >> 16) & 1U)) >> 16;
+  return (u & 0x7FFFFFFFU) > 0x7F800000U ? static_cast<uint16_t>((u >> 16) | 0x40U) : static_cast<uint16_t>(rounded);
+}
+
+// One block: out = keep ? x · scale : 0. The select is a bit mask (0 or all ones): a conditional expression
+// over floats is a branch the compiler does not vectorise without -fno-trapping-math.
+inline uint32_t all_ones_if(bool b) { return 0U - static_cast<uint32_t>(b); }
+
+void apply_block(const float* __restrict x, float* __restrict out, const uint32_t* __restrict lane, int64_t len,
+                 float scale, uint32_t dropped) {
+  for (int64_t t = 0; t < len; ++t) {
+    float v = x[t] * scale;
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    u &= all_ones_if(lane[t] >= dropped);
+    std::memcpy(out + t, &u, 4);
+  }
+}
+
+void apply_block(const at::BFloat16* __restrict x, at::BFloat16* __restrict out, const uint32_t* __restrict lane,
+                 int64_t len, float scale, uint32_t dropped) {
+  const uint16_t* __restrict in = reinterpret_cast<const uint16_t*>(x);
+  uint16_t* __restrict o = reinterpret_cast<uint16_t*>(out);
+  for (int64_t t = 0; t < len; ++t)
+    o[t] = float_to_bf16(bf16_to_float(in[t]) * scale) & static_cast<uint16_t>(all_ones_if(lane[t] >= dropped));
+}
+
+void apply_block(const at::Half* __restrict x, at::Half* __restrict out, const uint32_t* __restrict lane, int64_t len,
+                 float scale, uint32_t dropped) {  // (c10's conversions: not vectorised; fp16 training on CPU is rare)
+  for (int64_t t = 0; t < len; ++t)
+    out[t] = lane[t] >= dropped ? static_cast<at::Half>(static_cast<float>(x[t]) * scale) : static_cast<at::Half>(0.0f);
+}
+
+constexpr int64_t kBlock = 512;    // elements per block of lanes (2 KB on the stack)
+constexpr int64_t kGrain = 32768;  // elements per task at least
+
+template <typename T>
+void run(const T* x, T* out, int64_t n, uint32_t k0, uint32_t k1, float scale, uint32_t dropped) {
+  // blocks of kBlock elements (aligned: none crosses a multiple of 2^32), each its lanes, then the select
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, kGrain / kBlock, [=](int64_t b, int64_t e) {
+    uint32_t lane[kBlock];
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t i0 = blk * kBlock, len = std::min(kBlock, n - i0);
+      lanes(i0, len, k0, k1, lane);
+      apply_block(x + i0, out + i0, lane, len, scale, dropped);
+    }
+  });
+}
+
+at::Tensor dropout(const at::Tensor& x, int64_t seed, int64_t dropped, double scale) {
+  TORCH_CHECK(x.device().is_cpu(), "attnlab::dropout: a CPU tensor is expected");
+  TORCH_CHECK(dropped >= 0 && dropped < 65536, "attnlab::dropout: dropped must be in [0, 65536), got ", dropped);
+  at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const uint64_t s = static_cast<uint64_t>(seed);
+  const uint32_t k0 = static_cast<uint32_t>(s), k1 = static_cast<uint32_t>(s >> 32);
+  const auto d = static_cast<uint32_t>(dropped);
+  const auto sc = static_cast<float>(scale);
+  switch (xc.scalar_type()) {
+    case at::kFloat:
+      run(xc.data_ptr<float>(), out.data_ptr<float>(), xc.numel(), k0, k1, sc, d);
+      break;
+    case at::kBFloat16:
+      run(xc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), xc.numel(), k0, k1, sc, d);
+      break;
+    case at::kHalf:
+      run(xc.data_ptr<at::Half>(), out.data_ptr<at::Half>(), xc.numel(), k0, k1, sc, d);
+      break;
+    default:
+      TORCH_CHECK(false, "attnlab::dropout: float32, bfloat16 or float16 expected, got ", xc.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("dropout(Tensor x, int seed, int dropped, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("dropout", &dropout);
+}
