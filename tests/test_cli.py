@@ -63,7 +63,7 @@ def test_doctor_reports_paths(capsys):
     import json
     r = json.loads(capsys.readouterr().out)
     assert {"torch", "cpu_flags", "bf16_native_cpu", "packed_linear_bf16", "compile_cpu", "threads",
-            "own_quant_kernels", "own_quant_kernels_compiled"} <= set(r)
+            "own_quant_kernels", "own_quant_kernels_compiled", "own_dropout_kernel"} <= set(r)
 
 
 def test_doctor_says_whose_quantised_kernels_run(capsys, monkeypatch):
@@ -72,6 +72,7 @@ def test_doctor_says_whose_quantised_kernels_run(capsys, monkeypatch):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "--quantize, decoding (CPU)    PyTorch's int8/int4 kernels" in out and "ATTNLAB_OWN_KERNELS=0" in out
+    assert "dropout, training (CPU)       torch operations" in out
     monkeypatch.delenv("ATTNLAB_OWN_KERNELS")
     monkeypatch.setattr(quant, "own_kernels", lambda: True)
     monkeypatch.setattr(quant, "own_kernels_in_compiled_step", lambda: False)

@@ -313,14 +313,18 @@ def test_bf16_training_attention_runs_in_fp32_on_cpu():
 
 def _dropout_path(monkeypatch, path):
     """``kernel``: attnlab's CPU kernel (skipped where it cannot build); ``torch``: the path without it."""
+    import platform
+    from torch.utils import cpp_extension
+    from attnlab import accel
     from attnlab.model import layers
     if path == "torch":
         monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
     else:
         monkeypatch.delenv("ATTNLAB_OWN_KERNELS", raising=False)
-        if not layers.fused_dropout():
-            pytest.skip("attnlab's dropout kernel does not build here (no C++ compiler or ninja)")
-    assert layers.fused_dropout() == (path == "kernel")
+        accel._ninja_on_path()
+        if platform.system() != "Linux" or accel.cxx_compiler() is None or not cpp_extension.is_ninja_available():
+            pytest.skip("attnlab's dropout kernel is built on Linux with a C++ compiler and ninja")
+    assert layers.fused_dropout() == (path == "kernel")  # (where the tools are, a failed build fails here)
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
@@ -368,12 +372,14 @@ def _lowbias32(x):  # Chris Wellons' lowbias32 on int64 tensors holding 32-bit v
 
 
 def _kernel_keep(n, seed, dropped):
-    """The mask csrc/dropout.cpp documents, recomputed with torch's integer operations: element i is
-    kept where the top 16 bits of lowbias32(lowbias32(i_lo ^ seed_lo) + (seed_hi ^ i_hi)) are >= dropped."""
+    """The mask csrc/dropout.cpp documents, recomputed with torch's integer operations: keys k0 = lowbias32(seed_lo + 0x9E3779B9), k1 = lowbias32(seed_hi ^ k0); element
+    i is kept where the top 16 bits of lowbias32(lowbias32(i_lo ^ k0) + (k1 ^ i_hi)) are >= dropped."""
     i = torch.arange(n, dtype=torch.int64)
     seed %= 1 << 64  # (the op takes the seed as a signed 64-bit integer)
-    inner = _lowbias32((i & _M32) ^ (seed & _M32))
-    return (_lowbias32((inner + ((i >> 32) ^ (seed >> 32))) & _M32) >> 16) >= dropped
+    k0 = _lowbias32(torch.tensor(((seed & _M32) + 0x9E3779B9) & _M32))
+    k1 = _lowbias32(torch.tensor(seed >> 32) ^ k0)
+    inner = _lowbias32((i & _M32) ^ k0)
+    return (_lowbias32((inner + ((i >> 32) ^ k1)) & _M32) >> 16) >= dropped
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -394,13 +400,14 @@ def test_dropout_kernel_is_the_hash_it_documents(monkeypatch, dtype):
     strided = torch.ops.attnlab.dropout(x.t(), 3, 6554, 1.5)  # (a view: the kernel reads it in x.t()'s order)
     assert torch.equal(strided, torch.ops.attnlab.dropout(x.t().contiguous(), 3, 6554, 1.5))
     big = torch.randn(300_000, generator=g).to(dtype)
-    threads = torch.get_num_threads()
+    threads, outs = torch.get_num_threads(), []
     try:
-        torch.set_num_threads(1)
-        one = torch.ops.attnlab.dropout(big, 99, 6554, 1.25)
+        for n_threads in (1, 4):
+            torch.set_num_threads(n_threads)
+            outs.append(torch.ops.attnlab.dropout(big, 99, 6554, 1.25))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, torch.ops.attnlab.dropout(big, 99, 6554, 1.25))
+    assert torch.equal(*outs)
 
 
 def test_dropout_kernel_bits_are_uniform_and_independent(monkeypatch):
@@ -419,6 +426,9 @@ def test_dropout_kernel_bits_are_uniform_and_independent(monkeypatch):
     assert abs((a[1:] * a[:-1]).mean().item() * 4) < bound  # lag 1
     assert abs((a[2:] * a[:-2]).mean().item() * 4) < bound  # lag 2
     assert abs((a * b).mean().item() * 4) < bound  # seeds 1 and 2
+    # seeds 1 and 2 differ in two bits: with the seed xor-ed straight onto the index, seed 2's mask was seed
+    # 1's with the indices xor 3; mixed into keys first, it is not
+    assert abs((b * a[torch.arange(n) ^ 3]).mean().item() * 4) < bound
 
 
 def test_dropout_kernel_gradients_of_any_order(monkeypatch):
@@ -440,3 +450,29 @@ def test_dropout_kernel_gradients_of_any_order(monkeypatch):
     out = drop(bf)
     out.backward(torch.ones_like(out))
     assert bf.grad.dtype == torch.bfloat16 and torch.equal(bf.grad != 0, out != 0)
+    # torch.func's transforms: grad, and a forward-mode tangent through the same mask
+    torch.manual_seed(3)
+    fg = torch.func.grad(lambda t: (drop(t) * h[0]).sum())(x.detach()[0])
+    torch.manual_seed(3)
+    fy = drop(x.detach()[0])
+    assert torch.equal(fg, torch.where(fy != 0, h[0] * (4 / 3), 0.0))
+    torch.manual_seed(3)
+    fy2, tangent = torch.func.jvp(drop, (x.detach()[0],), (h[0],))
+    assert torch.equal(fy2, fy) and torch.equal(tangent, torch.where(fy != 0, h[0] * (4 / 3), 0.0))
+
+
+def test_dropout_kernel_check_survives_other_defaults(monkeypatch):
+    """The kernel's first-use check runs in fp32 on the CPU whatever the process's defaults (a float64
+    default dtype, a meta default device), and the layer draws its seed on the CPU."""
+    from attnlab.model import layers
+    _dropout_path(monkeypatch, "kernel")
+    monkeypatch.setattr(layers, "_FUSED", {})
+    try:
+        torch.set_default_dtype(torch.float64)
+        torch.set_default_device("meta")
+        assert layers.fused_dropout()
+        y = layers.Dropout(0.5).train()(torch.ones(1000, dtype=torch.float32, device="cpu"))
+    finally:
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+    assert y.device.type == "cpu" and 350 < int((y == 0).sum()) < 650

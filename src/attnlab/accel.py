@@ -363,7 +363,7 @@ def _ninja_on_path() -> None:
 
 def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str | None:
     """Build ``src/attnlab/csrc/<source>`` (a library of ``torch.ops.attnlab`` operators, ``op`` among them)
-    with ``cflags``, or load it from torch's extension cache (keyed by ``name`` and the source), into this
+    with ``cflags``, or load it from torch's extension cache (keyed by ``name``, the source and the flags), into this
     process. None when ``op`` is loaded; else why not (no C++ compiler, no ninja: checked every time). A
     failed build raises."""
     from torch.utils import cpp_extension

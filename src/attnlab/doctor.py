@@ -14,6 +14,7 @@ import torch
 from . import quant
 from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
                     onednn_linear_ops, packed_linear_ok)
+from .model.layers import fused_dropout
 
 
 def report() -> dict:
@@ -43,6 +44,7 @@ def report() -> dict:
         "compile_cpu": can_compile("cpu"),
         "own_quant_kernels": quant.own_kernels(),  # (builds them on first use: seconds, then cached on disk)
         "own_quant_kernels_compiled": quant.own_kernels_in_compiled_step(),
+        "own_dropout_kernel": fused_dropout(),  # (the same: built on first use)
         "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE",
                                                 "ATTNLAB_OWN_KERNELS", "ATTNLAB_QUANT_KERNELS") if k in os.environ},
     }
@@ -61,6 +63,8 @@ def doctor_text(r: dict | None = None) -> str:
     r = r or report()
     yes = {True: "yes", False: "no", None: "-"}
     bf16_cpu = "native (fast)" if r["bf16_native_cpu"] else "emulated (slow): --bf16 runs fp32"
+    dropout_path = ("attnlab's kernel (one pass, no mask stored)" if r["own_dropout_kernel"]
+                    else "torch operations (attnlab's kernel: not built here or switched off)")
     lines = [
         f"attnlab on {r['platform']}, Python {r['python']}, PyTorch {r['torch']}",
         f"CPU          {r['cpu']} ({r['cpu_isa']}), {r['cores']} cores, {r['threads']} torch threads",
@@ -74,6 +78,7 @@ def doctor_text(r: dict | None = None) -> str:
         f"  train --bf16 on CPU           {'bf16 autocast' if r['bf16_native_cpu'] else 'fp32 (bf16 not native)'}",
         f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}",
         f"  --quantize, decoding (CPU)    {_quantised_path(r)}",
+        f"  dropout, training (CPU)       {dropout_path}",
         f"  oneDNN ops in this build      {yes[r['onednn']]}",
     ]
     if r["switches"]:

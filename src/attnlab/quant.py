@@ -18,7 +18,7 @@ bandwidth. The activations stay floating point, so nothing needs calibration dat
   with ``q`` in 0…15 (the layout of PyTorch's int4 kernel). Each group takes the better of two grids
   (the smaller largest error): 16 levels from its minimum to its maximum (llama.cpp's Q4_1 for groups
   of 32), or symmetric, ``zero = 0`` and ``scale`` = −(its value of largest magnitude)/8 (llama.cpp's
-  Q4_0). So a GGUF's Q4_1 or Q4_0 weights come back exactly, not quantised a second time. Error ≤
+  Q4_0). So a GGUF's Q4_1 or Q4_0 weights come back exactly (in fp32), not quantised a second time. Error ≤
   (max - min) / 30 per weight; the small groups are what keep it usable.
 
 Every ``nn.Linear`` is replaced, including the output projection (``lm_head``), which int4 keeps at
@@ -92,7 +92,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .accel import _env_off, _env_on, _ninja_on_path, _once  # (_ninja_on_path: the tests call it from here)
+from .accel import _env_off, _env_on, _once
 
 KINDS = ("int8", "int4")
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
@@ -440,7 +440,8 @@ class Int8Linear(_QuantLinear):
 
 
 class Int4Linear(_QuantLinear):
-    """``y = x Wᵀ + b`` with W stored as 4-bit values, asymmetric per group of ``group_size`` inputs:
+    """``y = x Wᵀ + b`` with W stored as 4-bit values, a scale and a zero per group of ``group_size`` inputs
+    (the min-max grid, or the symmetric one with zero 0: see ``from_linear``):
     ``W[n, k] ≈ (q[n, k] - 8) · scale[g, n] + zero[g, n]``, ``g = k // group_size``.
 
     Buffers: ``weight_int4`` (N, Kp/2) uint8, two values per byte (input 2j in the low nibble, 2j+1 in

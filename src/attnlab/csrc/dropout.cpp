@@ -8,9 +8,12 @@
 // element, the result does not depend on the number of threads, and the backward is this same function of the
 // gradient with the same seed, so no mask is stored.
 //
-// The hash is Chris Wellons' "lowbias32" (xor-shift-multiply, measured among the best 32-bit integer mixers),
-// applied twice with the seed's two halves in between; tests/test_layers.py recomputes it with torch's integer
-// ops and compares every element. Built on first use by torch.utils.cpp_extension (attnlab.accel.load_extension).
+// The hash is Chris Wellons' "lowbias32" (xor-shift-multiply, measured among the best 32-bit integer mixers):
+// the seed's two halves are mixed into two keys first (so seeds a few bits apart give unrelated masks, not
+// shifted copies of one another), then hash(i) = lowbias32(lowbias32(lo32(i) ^ key0) + (key1 ^ hi32(i))).
+// tests/test_pitfalls.py recomputes it with torch's integer operations and compares every element. NaN and inf
+// in dropped positions become 0, as in attnlab's torch path (nn.Dropout's NaN·0 keeps NaN). Built on first use
+// by torch.utils.cpp_extension (attnlab.accel.build_torch_ops).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,7 +33,7 @@ inline uint32_t lowbias32(uint32_t x) {
   return x;
 }
 
-// The random lanes of elements i0 … i0 + len (a block that does not cross a multiple of 2^32) into h: a
+// The random lanes of elements i0 … i0 + len - 1 (a block that does not cross a multiple of 2^32) into h: a
 // loop of 32-bit integer operations only, which the compiler vectorises.
 inline void lanes(int64_t i0, int64_t len, uint32_t k0, uint32_t k1, uint32_t* h) {
   const uint32_t base = static_cast<uint32_t>(i0), k = k1 ^ static_cast<uint32_t>(i0 >> 32);
@@ -102,7 +105,8 @@ at::Tensor dropout(const at::Tensor& x, int64_t seed, int64_t dropped, double sc
   at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty_like(xc);
   const uint64_t s = static_cast<uint64_t>(seed);
-  const uint32_t k0 = static_cast<uint32_t>(s), k1 = static_cast<uint32_t>(s >> 32);
+  const uint32_t k0 = lowbias32(static_cast<uint32_t>(s) + 0x9E3779B9U);
+  const uint32_t k1 = lowbias32(static_cast<uint32_t>(s >> 32) ^ k0);
   const auto d = static_cast<uint32_t>(dropped);
   const auto sc = static_cast<float>(scale);
   switch (xc.scalar_type()) {

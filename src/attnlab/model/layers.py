@@ -5,6 +5,9 @@ Every layer keeps the shape (batch, seq, d_model): that is what lets layers stac
 
 from __future__ import annotations
 
+import platform
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,9 +40,10 @@ class Dropout(nn.Dropout):
     16 random bits of each element a hash of its index and a seed drawn from torch's generator (one
     draw per call, so seeds and resumed runs stay reproducible), the backward the same function of the
     gradient, no mask stored. Forward + backward of a (64, 24, 256) fp32 activation (2 threads): ~0.2
-    ms, against ~1.1 for the torch path below. Elsewhere (no compiler, ``ATTNLAB_OWN_KERNELS=0``) that
-    torch path: one 64-bit draw of torch's generator per four elements, four 16-bit uniforms, one
-    comparison, a ``torch.where`` (the same masks are not the kernel's: a seed gives one run per path).
+    ms, against ~1.1 for the torch path below. Elsewhere (no compiler, not Linux,
+    ``ATTNLAB_OWN_KERNELS=0``) that torch path: one 64-bit draw of torch's generator per four elements,
+    four 16-bit uniforms, one comparison, a ``torch.where`` (its masks are not the kernel's: a seed gives
+    one run per path). Both make NaN and inf in dropped positions 0, where nn.Dropout's NaN·0 keeps NaN.
 
     Under ``torch.compile`` (``attnlab train --compile``) the torch path, whose draw is a graph break:
     dynamo does not trace ``random_``. Kept so on purpose: letting inductor make the masks itself
@@ -54,10 +58,10 @@ class Dropout(nn.Dropout):
         if dropped == 65536 or x.device.type != "cpu":  # (p within 1/131072 of 1 rounds to all dropped)
             return super().forward(x)
         if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and fused_dropout():
-            seed = int(torch.empty((), dtype=torch.int64).random_(-2 ** 63, None))  # 64 random bits
+            seed = int(torch.empty((), dtype=torch.int64, device="cpu").random_(-2 ** 63, None))  # 64 random bits
             return _FusedDropout.apply(x, seed, dropped)
         n = x.numel()
-        draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-2 ** 63, None)
+        draws = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-2 ** 63, None)
         lanes = draws.view(torch.int16)[:n].view(x.shape)  # 4 lanes per draw, each uniform on [-32768, 32767]
         keep = lanes >= dropped - 32768  # (bool: the 1-byte mask is what autograd keeps)
         return torch.where(keep, x * (65536 / (65536 - dropped)), 0.0)
@@ -65,30 +69,43 @@ class Dropout(nn.Dropout):
 
 class _FusedDropout(torch.autograd.Function):
     """``attnlab::dropout``: y = keep ⊙ x · scale with keep a function of (seed, element index), so the
-    gradient is the same function of dy (and its gradient again: any order)."""
+    gradient is the same function of dy (and its gradient again: any order), and so is a forward-mode
+    tangent."""
 
     @staticmethod
-    def forward(ctx, x, seed: int, dropped: int):
-        ctx.seed, ctx.dropped = seed, dropped
+    def forward(x, seed: int, dropped: int):
         return torch.ops.attnlab.dropout(x, seed, dropped, 65536 / (65536 - dropped))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.seed, ctx.dropped = inputs
 
     @staticmethod
     def backward(ctx, grad):
         return _FusedDropout.apply(grad, ctx.seed, ctx.dropped), None, None
 
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return _FusedDropout.apply(x_t, ctx.seed, ctx.dropped)
+
 
 _FUSED: dict = {}  # "ok" → whether attnlab::dropout is built and right here (once per process)
+_FUSED_LOCK = threading.Lock()  # (training threads, or a server's, may ask first at once: one builds)
 
 
 def fused_dropout() -> bool:
     """Whether :class:`Dropout` takes attnlab's kernel on CPU: not ``ATTNLAB_OWN_KERNELS=0``, not while
-    torch.compile traces, and where it builds (a C++ compiler and ninja; tried once per process,
-    for this CPU's vector extensions as PyTorch runs them) and passes a check."""
+    torch.compile or torch.jit traces (a traced seed would be a constant), on Linux (elsewhere the
+    compiler flags differ), and where it builds (a C++ compiler and ninja; tried once per process, for
+    this CPU's vector extensions as PyTorch runs them) and passes a check."""
     from .. import accel
-    if torch.compiler.is_compiling() or accel._env_off("ATTNLAB_OWN_KERNELS"):
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or accel._env_off("ATTNLAB_OWN_KERNELS")
+            or platform.system() != "Linux"):
         return False
     if "ok" not in _FUSED:
-        _FUSED["ok"] = _build_fused_dropout()
+        with _FUSED_LOCK:
+            if "ok" not in _FUSED:
+                _FUSED["ok"] = _build_fused_dropout()
     return _FUSED["ok"]
 
 
@@ -103,11 +120,16 @@ def _build_fused_dropout() -> bool:
     else:
         name, cflags = "attnlab_dropout", []  # (the compiler's baseline: SSE2 on x86, NEON on ARM)
     try:
+        loaded = hasattr(torch.ops.attnlab, "dropout")
         why_not = accel.build_torch_ops(name, "dropout.cpp", cflags, "dropout")
         if why_not:
             accel._once("dropout-tools", f"attnlab's dropout kernel: {why_not}; torch's operations instead")
             return False
-        y = torch.ops.attnlab.dropout(torch.ones(4096), 12345, 32768, 2.0)  # p = 1/2
+        if not loaded:
+            @torch.library.register_fake("attnlab::dropout")
+            def _(x, seed, dropped, scale):  # the shape function, for tracing
+                return torch.empty_like(x, memory_format=torch.contiguous_format)
+        y = torch.ops.attnlab.dropout(torch.ones(4096, dtype=torch.float32, device="cpu"), 12345, 32768, 2.0)  # p = 1/2
         ok = bool(((y == 0) | (y == 2)).all()) and 1800 < int((y == 2).sum()) < 2300
     except Exception as e:  # a compiler that cannot build it, a failed load
         accel._once("dropout-build", f"attnlab's dropout kernel did not build ({str(e).strip().splitlines()[:2]}): "
