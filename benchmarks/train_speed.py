@@ -25,6 +25,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
     python benchmarks/train_speed.py --shapes none --corpus [PAIRS.tsv] [--pairs 1024] [--rounds 3]
     python benchmarks/train_speed.py --shapes none --attention [--rounds 5]   # the fused kernel vs ShortAttention
+    python benchmarks/train_speed.py --dropout [--shapes small,large] [--rounds 5]  # attnlab's dropout kernel vs its torch path
 """
 
 import argparse
@@ -129,6 +130,17 @@ def make_optimizer(key, model):
     return (make_adamw if key == "attnlab" else torch.optim.AdamW)(model.parameters(), lr=1e-4)
 
 
+def attnlab_step(model, opt, src, tgt_in, labels, bf16: bool):
+    """attnlab's update: the trainer's loss (train.tasks.base: projection and loss fused, no logits)."""
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = output_loss(model, model(src, tgt_in, hidden_only=True), labels, None, 0.1)[0]
+        loss.backward()
+        opt.step()
+    return step
+
+
 def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
     models = build_models(s)
     src = torch.randint(4, VOCAB, (s["batch"], s["length"]))
@@ -139,16 +151,16 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
     steps, rss = {}, {}
     for key, model in models.items():
         opt = make_optimizer(key, model)
+        if key == "attnlab":
+            steps[key] = attnlab_step(model, opt, src, tgt_in, labels, bf16)
+            continue
 
         def step(key=key, model=model, opt=opt):
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                if key == "attnlab":  # the trainer's loss (train.tasks.base): projection and loss fused, no logits
-                    loss = output_loss(model, model(src, tgt_in, hidden_only=True), labels, None, 0.1)[0]
-                else:
-                    logits = forwards[key](model)
-            if key != "attnlab":  # label-smoothed cross-entropy on fp32 logits, as HF's Trainer and the tutorial
-                loss = loss_fn(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+                logits = forwards[key](model)
+            # label-smoothed cross-entropy on fp32 logits, as HF's Trainer and the tutorial
+            loss = loss_fn(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
             loss.backward()
             opt.step()
         steps[key] = step
@@ -206,6 +218,65 @@ def attention_table(args) -> dict:
         row = {key: round(statistics.median(v), 3) for key, v in times.items()}
         row["fused_over_short"] = round(row["fused_ms"] / row["short_ms"], 2)
         out[f"{name} B{B} h{h} T{T} hd{hd}{' causal' if causal else ''}"] = row
+    return out
+
+
+# -- dropout: attnlab's kernel against its torch path ------------------------------------------------
+
+# (activation, dtype): the small shape's residual stream and FFN hidden layer, the large shape's residual in bf16
+DROPOUT_ACTIVATIONS = {"small (64, 24, 256) fp32": ((64, 24, 256), torch.float32),
+                       "small FFN (64, 24, 1024) fp32": ((64, 24, 1024), torch.float32),
+                       "large (32, 32, 512) bf16": ((32, 32, 512), torch.bfloat16)}
+
+
+def dropout_table(args) -> dict:
+    """attnlab's ``Dropout(0.1)`` forward + backward on training activations, and attnlab's whole step on
+    ``--shapes`` (fp32; bf16 where native), with its kernel (``csrc/dropout.cpp``) and with its torch path
+    (``ATTNLAB_OWN_KERNELS=0``), the two in turns."""
+    from attnlab.model.layers import Dropout, fused_dropout
+    saved = os.environ.get("ATTNLAB_OWN_KERNELS")
+
+    def path(kernel: bool):
+        os.environ["ATTNLAB_OWN_KERNELS"] = "1" if kernel else "0"
+        assert fused_dropout() == kernel, "attnlab's dropout kernel does not build here"
+
+    def in_turns(run, n) -> dict:
+        times = {"kernel_ms": [], "torch_ms": []}
+        for _ in range(args.rounds):
+            for key, kernel in (("kernel_ms", True), ("torch_ms", False)):
+                path(kernel)
+                run()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    run()
+                times[key].append((time.perf_counter() - t0) / n * 1e3)
+        row = {key: round(statistics.median(v), 3) for key, v in times.items()}
+        row["torch_over_kernel"] = round(row["torch_ms"] / row["kernel_ms"], 3)
+        return row
+
+    out = {}
+    try:
+        drop = Dropout(0.1).train()
+        for name, (shape, dtype) in DROPOUT_ACTIVATIONS.items():
+            x = torch.randn(shape, dtype=dtype, requires_grad=True)
+            grad = torch.randn(shape, dtype=dtype)
+
+            def run(x=x, grad=grad):
+                drop(x).backward(grad)
+                x.grad = None
+            out[name] = in_turns(run, max(3, args.steps * 40))
+        for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
+            for name in [] if args.shapes == "none" else args.shapes.split(","):
+                s = SHAPES[name]
+                model = build_models(s)["attnlab"]
+                src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
+                step = attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, bf16)
+                out[f"step {name} {'bf16' if bf16 else 'fp32'}"] = in_turns(step, args.steps)
+    finally:
+        if saved is None:
+            os.environ.pop("ATTNLAB_OWN_KERNELS", None)
+        else:
+            os.environ["ATTNLAB_OWN_KERNELS"] = saved
     return out
 
 
@@ -398,6 +469,8 @@ def main():
     ap.add_argument("--attention", action="store_true",
                     help="also time one attention's forward + backward, PyTorch's fused kernel against ShortAttention")
     ap.add_argument("--attention-shapes", default=None, help="--attention: comma-separated names (default: all)")
+    ap.add_argument("--dropout", action="store_true",
+                    help="time attnlab's dropout kernel against its torch path (activations, and steps of --shapes)")
     ap.add_argument("--compile", action="store_true",
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
@@ -415,7 +488,7 @@ def main():
     results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(),
                "torch": torch.__version__}
     dtypes = [False] + ([True] if accel.bf16_native("cpu") else [])
-    shapes = [] if args.shapes == "none" else args.shapes.split(",")
+    shapes = [] if args.shapes == "none" or args.dropout else args.shapes.split(",")  # (--dropout: its own steps)
     for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size)
         results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
@@ -427,6 +500,9 @@ def main():
         key = f"corpus_{'bf16' if bf16 else 'fp32'}"
         results[key] = run_corpus(SHAPES[args.corpus_shape], args, bf16)
         print(key, json.dumps(results[key]), flush=True)
+    if args.dropout:
+        results["dropout"] = dropout_table(args)
+        print("dropout", json.dumps(results["dropout"]), flush=True)
     if args.attention:
         results["attention"] = attention_table(args)
         print("attention", json.dumps(results["attention"]), flush=True)

@@ -90,6 +90,23 @@ def test_train_speed_attention_table_runs():
     assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 2)
 
 
+def test_train_speed_dropout_table_runs():
+    """train_speed.py --dropout: attnlab's dropout kernel and its torch path timed in turns, on an activation
+    and on a whole (tiny) step, and their ratio."""
+    import platform
+    if platform.system() != "Linux" or not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("attnlab's dropout kernel is built on Linux with a C++ compiler")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--dropout", "--shapes", "tiny",
+                          "--steps", "1", "--rounds", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = json.loads(res.stdout.strip().splitlines()[-1])["dropout"]
+    assert "small (64, 24, 256) fp32" in table and "step tiny fp32" in table
+    for row in table.values():
+        assert row["kernel_ms"] > 0 and row["torch_ms"] > 0
+        assert row["torch_over_kernel"] == round(row["torch_ms"] / row["kernel_ms"], 3)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
 def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
     """train_speed.py --nanogpt [--compile]: the sides' per-iteration times parsed and compared. A stand-in
