@@ -182,6 +182,21 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
     return out
 
 
+def in_turns(run, n: int, rounds: int, paths: dict) -> dict:
+    """Median ms per call of ``run`` on each of ``paths`` ({key: a context manager factory that selects the
+    path}), the paths taking turns for ``rounds`` rounds of one warm-up call and ``n`` timed ones."""
+    times = {key: [] for key in paths}
+    for _ in range(rounds):
+        for key, select in paths.items():
+            with select():
+                run()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    run()
+                times[key].append((time.perf_counter() - t0) / n * 1e3)
+    return {key: round(statistics.median(v), 3) for key, v in times.items()}
+
+
 # -- the attention of a training step: PyTorch's fused kernel against ShortAttention ------------------
 
 # (B, h, T, hd, causal): nanoGPT's step, the two Marian shapes' decoder, vit-mnist's 49 patches + [CLS], longer keys
@@ -205,17 +220,9 @@ def attention_table(args) -> dict:
             o.transpose(1, 2).reshape(B, T, h * hd).backward(grad)
             qkv.grad = None
 
-        times = {"fused_ms": [], "short_ms": []}
         n = max(3, int(args.steps * 40 * 64 * 64 * 48 / (B * h * T * T)))
-        for _ in range(args.rounds):
-            for key, limit in (("fused_ms", 0), ("short_ms", T)):
-                with mock.patch.object(attention, "SHORT_KEYS", limit):
-                    run()
-                    t0 = time.perf_counter()
-                    for _ in range(n):
-                        run()
-                    times[key].append((time.perf_counter() - t0) / n * 1e3)
-        row = {key: round(statistics.median(v), 3) for key, v in times.items()}
+        row = in_turns(run, n, args.rounds, {"fused_ms": lambda: mock.patch.object(attention, "SHORT_KEYS", 0),
+                                             "short_ms": lambda T=T: mock.patch.object(attention, "SHORT_KEYS", T)})
         row["fused_over_short"] = round(row["fused_ms"] / row["short_ms"], 2)
         out[f"{name} B{B} h{h} T{T} hd{hd}{' causal' if causal else ''}"] = row
     return out
@@ -234,49 +241,32 @@ def dropout_table(args) -> dict:
     ``--shapes`` (fp32; bf16 where native), with its kernel (``csrc/dropout.cpp``) and with its torch path
     (``ATTNLAB_OWN_KERNELS=0``), the two in turns."""
     from attnlab.model.layers import Dropout, fused_dropout
-    saved = os.environ.get("ATTNLAB_OWN_KERNELS")
+    paths = {"kernel_ms": lambda: mock.patch.dict(os.environ, {"ATTNLAB_OWN_KERNELS": "1"}),
+             "torch_ms": lambda: mock.patch.dict(os.environ, {"ATTNLAB_OWN_KERNELS": "0"})}
+    with paths["kernel_ms"]():
+        assert fused_dropout(), "attnlab's dropout kernel does not build here"
 
-    def path(kernel: bool):
-        os.environ["ATTNLAB_OWN_KERNELS"] = "1" if kernel else "0"
-        assert fused_dropout() == kernel, "attnlab's dropout kernel does not build here"
-
-    def in_turns(run, n) -> dict:
-        times = {"kernel_ms": [], "torch_ms": []}
-        for _ in range(args.rounds):
-            for key, kernel in (("kernel_ms", True), ("torch_ms", False)):
-                path(kernel)
-                run()
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    run()
-                times[key].append((time.perf_counter() - t0) / n * 1e3)
-        row = {key: round(statistics.median(v), 3) for key, v in times.items()}
-        row["torch_over_kernel"] = round(row["torch_ms"] / row["kernel_ms"], 3)
-        return row
+    def row(run, n) -> dict:
+        r = in_turns(run, n, args.rounds, paths)
+        return {**r, "torch_over_kernel": round(r["torch_ms"] / r["kernel_ms"], 3)}
 
     out = {}
-    try:
-        drop = Dropout(0.1).train()
-        for name, (shape, dtype) in DROPOUT_ACTIVATIONS.items():
-            x = torch.randn(shape, dtype=dtype, requires_grad=True)
-            grad = torch.randn(shape, dtype=dtype)
+    drop = Dropout(0.1).train()
+    for name, (shape, dtype) in DROPOUT_ACTIVATIONS.items():
+        x = torch.randn(shape, dtype=dtype, requires_grad=True)
+        grad = torch.randn(shape, dtype=dtype)
 
-            def run(x=x, grad=grad):
-                drop(x).backward(grad)
-                x.grad = None
-            out[name] = in_turns(run, max(3, args.steps * 40))
-        for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
-            for name in [] if args.shapes == "none" else args.shapes.split(","):
-                s = SHAPES[name]
-                model = build_models(s)["attnlab"]
-                src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
-                step = attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, bf16)
-                out[f"step {name} {'bf16' if bf16 else 'fp32'}"] = in_turns(step, args.steps)
-    finally:
-        if saved is None:
-            os.environ.pop("ATTNLAB_OWN_KERNELS", None)
-        else:
-            os.environ["ATTNLAB_OWN_KERNELS"] = saved
+        def run(x=x, grad=grad):
+            drop(x).backward(grad)
+            x.grad = None
+        out[name] = row(run, max(3, args.steps * 40))
+    for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
+        for name in [] if args.shapes == "none" else args.shapes.split(","):
+            s = SHAPES[name]
+            model = build_models(s)["attnlab"]
+            src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
+            step = attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, bf16)
+            out[f"step {name} {'bf16' if bf16 else 'fp32'}"] = row(step, args.steps)
     return out
 
 
