@@ -629,8 +629,9 @@ def _exact_products():
             os.environ["ATTNLAB_QUANT_KERNELS"] = old
 
 
-@pytest.mark.skipif(not accel.can_compile("cpu") or "avx2" not in accel.cpu_flags(),
-                    reason="no torch.compile here, or no AVX2 to cap at")
+@pytest.mark.skipif(not accel.can_compile("cpu") or "avx2" not in accel.cpu_flags()
+                    or accel._env_off("ATTNLAB_OWN_KERNELS") or accel._env_off("ATTNLAB_QUANT_KERNELS"),
+                    reason="no torch.compile here, no AVX2 to cap at, or attnlab's kernels switched off")
 def test_compiled_int4_step_on_avx2_takes_attnlabs_kernels_and_matches_eager(tmp_path):
     """On AVX2 (here a child process capped at AVX2, with an inductor cache of its own) every product of
     a compiled int4 step (int4 layers, int8 head) is attnlab's own kernel, where it can be built, and the

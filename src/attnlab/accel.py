@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import weakref
 from functools import lru_cache
 
@@ -359,6 +360,16 @@ def _ninja_on_path() -> None:
         except ImportError:
             return
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def built_once(cache: dict, lock: threading.Lock, build) -> bool:
+    """``cache["ok"]``, set by ``build()`` the first time any thread asks (the others wait for it): how
+    attnlab's own kernels are built or found missing once per process."""
+    if "ok" not in cache:
+        with lock:
+            if "ok" not in cache:
+                cache["ok"] = build()
+    return cache["ok"]
 
 
 def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str | None:

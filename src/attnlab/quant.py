@@ -92,7 +92,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .accel import _env_off, _env_on, _once
+from .accel import _env_off, _env_on, _once, built_once
 
 KINDS = ("int8", "int4")
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
@@ -130,11 +130,7 @@ def own_kernels() -> bool:
         return False
     if not _x86():
         return False
-    if "ok" not in _OWN:
-        with _OWN_LOCK:
-            if "ok" not in _OWN:
-                _OWN["ok"] = _build_own_kernels()
-    return _OWN["ok"]
+    return built_once(_OWN, _OWN_LOCK, _build_own_kernels)
 
 
 def own_kernels_in_compiled_step() -> bool:

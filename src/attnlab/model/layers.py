@@ -102,11 +102,7 @@ def fused_dropout() -> bool:
     if (torch.compiler.is_compiling() or torch.jit.is_tracing() or accel._env_off("ATTNLAB_OWN_KERNELS")
             or platform.system() != "Linux"):
         return False
-    if "ok" not in _FUSED:
-        with _FUSED_LOCK:
-            if "ok" not in _FUSED:
-                _FUSED["ok"] = _build_fused_dropout()
-    return _FUSED["ok"]
+    return accel.built_once(_FUSED, _FUSED_LOCK, _build_fused_dropout)
 
 
 def _build_fused_dropout() -> bool:
