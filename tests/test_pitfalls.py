@@ -195,6 +195,17 @@ def test_short_key_training_attention_equals_the_oracle(case):
         torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
     if case == "empty_rows":
         assert torch.equal(out[2, :, :4], torch.zeros_like(out[2, :, :4]))
+    if Tq != Tk:
+        return
+    # the gradients of q, k, v split from one projection, as the model does: each comes back in the (B, T, h, hd)
+    # memory the split's view and transpose came from (so their backward copies nothing), with the oracle's values
+    qkv = torch.cat([t.transpose(1, 2).reshape(B, -1, t.shape[1] * 8) for t in (q, k, v)], -1).requires_grad_()
+    views = [t.view(B, t.shape[1], -1, 8).transpose(1, 2) for t in qkv.split([h * 8, kv * 8, kv * 8], -1)]
+    out2, _ = scaled_dot_product_attention(*views, mask=mask, is_causal=is_causal)
+    grads = torch.autograd.grad(out2, views, grad)
+    for got, want in zip(grads, ref_in):
+        assert got.transpose(1, 2).is_contiguous()
+        torch.testing.assert_close(got.double(), want.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_short_key_training_attention_edge_cases():
@@ -476,3 +487,61 @@ def test_dropout_kernel_check_survives_other_defaults(monkeypatch):
         torch.set_default_dtype(torch.float32)
         torch.set_default_device(None)
     assert y.device.type == "cpu" and 350 < int((y == 0).sum()) < 650
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_residual_dropout_add_is_dropout_then_add(monkeypatch, path):
+    """``Dropout.add_to(residual, x)``, the residual connection: residual + dropout(x) in the wider dtype, bit for
+    bit what dropout, a cast and an add give (the kernel's ``attnlab::dropout_add`` does it in one pass), for
+    every pair of dtypes the model meets (fp32 stream with a bf16/fp16 sublayer under autocast, or one dtype);
+    the residual's gradient is dy, x's the same dropout of dy in x's dtype; a forward-mode tangent too; shapes
+    that broadcast take the unfused path."""
+    from attnlab.model.layers import Dropout
+    _dropout_path(monkeypatch, path)
+    drop = Dropout(0.2).train()
+    for x_dtype, r_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                             (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                             (torch.float32, torch.bfloat16)):
+        x = torch.randn(5, 7, 130).to(x_dtype).requires_grad_()
+        r = torch.randn(5, 7, 130).to(r_dtype).requires_grad_()
+        torch.manual_seed(1)
+        y = drop.add_to(r, x)
+        torch.manual_seed(1)
+        dropped = drop(x.detach())
+        out_dtype = torch.promote_types(x_dtype, r_dtype)
+        assert y.dtype == out_dtype
+        assert torch.equal(y, r.detach().to(out_dtype) + dropped.to(out_dtype)), (x_dtype, r_dtype)
+        g = torch.randn(5, 7, 130).to(out_dtype)
+        dx, dr = torch.autograd.grad(y, (x, r), g)
+        assert dr.dtype == r_dtype and torch.equal(dr, g.to(r_dtype))
+        assert dx.dtype == x_dtype
+        assert torch.equal(dx, torch.where(dropped != 0, g.to(x_dtype) * (65536 / (65536 - 13107)), 0.0).to(x_dtype))
+    x, r, t = torch.randn(3, 50), torch.randn(3, 50), torch.randn(3, 50)
+    torch.manual_seed(2)
+    y, tangent = torch.func.jvp(drop.add_to, (r, x), (torch.zeros_like(r), t))
+    torch.manual_seed(2)
+    assert torch.equal(y, r + drop(x)) and torch.equal(tangent, torch.where(y != r, t * (65536 / (65536 - 13107)), 0.0))
+    torch.manual_seed(3)
+    wide = drop.add_to(torch.randn(4, 1, 50), x)  # (a residual that broadcasts: the unfused path)
+    assert wide.shape == (4, 3, 50)
+    assert torch.equal(drop.eval().add_to(r, x), r + x)
+
+
+def test_dropout_add_kernel_is_the_hash_it_documents(monkeypatch):
+    """``attnlab::dropout_add`` against the hash recomputed here (sizes around the blocks, a tail, strided
+    inputs) and its errors: a residual of another shape or a narrower dtype than x is refused, by name."""
+    _dropout_path(monkeypatch, "kernel")
+    g = torch.Generator().manual_seed(0)
+    for n, seed, dropped in ((1, 7, 6554), (513, -2 ** 63, 32768), (100_003, 0x1234_5678_9ABC_DEF0, 6554)):
+        x, r = torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g)
+        scale = 65536 / (65536 - dropped)
+        keep = _kernel_keep(n, seed, dropped)
+        want = r + torch.where(keep, x.float() * scale, 0.0).bfloat16().float()
+        assert torch.equal(torch.ops.attnlab.dropout_add(x, r, seed, dropped, scale), want), (n, seed)
+    x, r = torch.randn(64, 48, generator=g), torch.randn(48, 64, generator=g)
+    assert torch.equal(torch.ops.attnlab.dropout_add(x.t(), r, 3, 6554, 1.5),
+                       torch.ops.attnlab.dropout_add(x.t().contiguous(), r, 3, 6554, 1.5))
+    with pytest.raises(RuntimeError, match="residual of x's shape"):
+        torch.ops.attnlab.dropout_add(x, r, 3, 6554, 1.5)
+    with pytest.raises(RuntimeError, match="the wider"):
+        torch.ops.attnlab.dropout_add(x, r.t().bfloat16(), 3, 6554, 1.5)

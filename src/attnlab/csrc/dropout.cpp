@@ -83,6 +83,31 @@ void apply_block(const at::Half* __restrict x, at::Half* __restrict out, const u
     out[t] = lane[t] >= dropped ? static_cast<at::Half>(static_cast<float>(x[t]) * scale) : static_cast<at::Half>(0.0f);
 }
 
+// dropout_add: out = residual + dropout(x), in the residual's dtype; the dropped x · scale rounded to x's dtype
+// first, so the sum is the one of dropout(x) then a cast and an add (the three passes it replaces), bit for bit.
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return bf16_to_float(v.x); }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
+inline float rounded_as(float v, const float*) { return v; }
+inline float rounded_as(float v, const at::BFloat16*) { return bf16_to_float(float_to_bf16(v)); }
+inline float rounded_as(float v, const at::Half*) { return static_cast<float>(static_cast<at::Half>(v)); }
+inline void store(float v, float* o) { *o = v; }
+inline void store(float v, at::BFloat16* o) { o->x = float_to_bf16(v); }
+inline void store(float v, at::Half* o) { *o = static_cast<at::Half>(v); }
+
+template <typename T, typename R>
+void add_block(const T* __restrict x, const R* __restrict r, R* __restrict out, const uint32_t* __restrict lane,
+               int64_t len, float scale, uint32_t dropped) {
+  for (int64_t t = 0; t < len; ++t) {
+    float v = rounded_as(to_float(x[t]) * scale, x);
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    u &= all_ones_if(lane[t] >= dropped);
+    std::memcpy(&v, &u, 4);
+    store(to_float(r[t]) + v, out + t);
+  }
+}
+
 constexpr int64_t kBlock = 512;    // elements per block of lanes (2 KB on the stack)
 constexpr int64_t kGrain = 32768;  // elements per task at least
 
@@ -99,14 +124,35 @@ void run(const T* x, T* out, int64_t n, uint32_t k0, uint32_t k1, float scale, u
   });
 }
 
-at::Tensor dropout(const at::Tensor& x, int64_t seed, int64_t dropped, double scale) {
+template <typename T, typename R>
+void run_add(const T* x, const R* r, R* out, int64_t n, uint32_t k0, uint32_t k1, float scale, uint32_t dropped) {
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, kGrain / kBlock, [=](int64_t b, int64_t e) {
+    uint32_t lane[kBlock];
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t i0 = blk * kBlock, len = std::min(kBlock, n - i0);
+      lanes(i0, len, k0, k1, lane);
+      add_block(x + i0, r + i0, out + i0, lane, len, scale, dropped);
+    }
+  });
+}
+
+void keys(int64_t seed, uint32_t& k0, uint32_t& k1) {  // the seed's two halves mixed into two keys
+  const uint64_t s = static_cast<uint64_t>(seed);
+  k0 = lowbias32(static_cast<uint32_t>(s) + 0x9E3779B9U);
+  k1 = lowbias32(static_cast<uint32_t>(s >> 32) ^ k0);
+}
+
+void check(const at::Tensor& x, int64_t dropped) {
   TORCH_CHECK(x.device().is_cpu(), "attnlab::dropout: a CPU tensor is expected");
   TORCH_CHECK(dropped >= 0 && dropped < 65536, "attnlab::dropout: dropped must be in [0, 65536), got ", dropped);
+}
+
+at::Tensor dropout(const at::Tensor& x, int64_t seed, int64_t dropped, double scale) {
+  check(x, dropped);
   at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty_like(xc);
-  const uint64_t s = static_cast<uint64_t>(seed);
-  const uint32_t k0 = lowbias32(static_cast<uint32_t>(s) + 0x9E3779B9U);
-  const uint32_t k1 = lowbias32(static_cast<uint32_t>(s >> 32) ^ k0);
+  uint32_t k0, k1;
+  keys(seed, k0, k1);
   const auto d = static_cast<uint32_t>(dropped);
   const auto sc = static_cast<float>(scale);
   switch (xc.scalar_type()) {
@@ -125,11 +171,57 @@ at::Tensor dropout(const at::Tensor& x, int64_t seed, int64_t dropped, double sc
   return out;
 }
 
+template <typename T>
+void run_add_to(const at::Tensor& x, const at::Tensor& r, at::Tensor& out, uint32_t k0, uint32_t k1, float sc,
+                uint32_t d) {
+  const T* xp = x.data_ptr<T>();
+  switch (r.scalar_type()) {
+    case at::kFloat:
+      run_add(xp, r.data_ptr<float>(), out.data_ptr<float>(), x.numel(), k0, k1, sc, d);
+      break;
+    case at::kBFloat16:
+      run_add(xp, r.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.numel(), k0, k1, sc, d);
+      break;
+    default:  // (kHalf: dropout_add checked the pair)
+      run_add(xp, r.data_ptr<at::Half>(), out.data_ptr<at::Half>(), x.numel(), k0, k1, sc, d);
+  }
+}
+
+at::Tensor dropout_add(const at::Tensor& x, const at::Tensor& residual, int64_t seed, int64_t dropped, double scale) {
+  check(x, dropped);
+  TORCH_CHECK(residual.device().is_cpu() && residual.sizes() == x.sizes(),
+              "attnlab::dropout_add: a CPU residual of x's shape is expected");
+  const auto floating = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; };
+  TORCH_CHECK(floating(x.scalar_type()) && floating(residual.scalar_type()) &&
+                  at::promote_types(x.scalar_type(), residual.scalar_type()) == residual.scalar_type(),
+              "attnlab::dropout_add: float32, bfloat16 or float16 expected, the residual's dtype the wider, got ",
+              x.scalar_type(), " and ", residual.scalar_type());
+  at::Tensor xc = x.contiguous(), rc = residual.contiguous();
+  at::Tensor out = at::empty_like(rc);
+  uint32_t k0, k1;
+  keys(seed, k0, k1);
+  const auto d = static_cast<uint32_t>(dropped);
+  const auto sc = static_cast<float>(scale);
+  switch (xc.scalar_type()) {
+    case at::kFloat:
+      run_add_to<float>(xc, rc, out, k0, k1, sc, d);
+      break;
+    case at::kBFloat16:
+      run_add_to<at::BFloat16>(xc, rc, out, k0, k1, sc, d);
+      break;
+    default:
+      run_add_to<at::Half>(xc, rc, out, k0, k1, sc, d);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("dropout(Tensor x, int seed, int dropped, float scale) -> Tensor");
+  m.def("dropout_add(Tensor x, Tensor residual, int seed, int dropped, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("dropout", &dropout);
+  m.impl("dropout_add", &dropout_add);
 }

@@ -179,7 +179,7 @@ class ShortAttention(torch.autograd.Function):
         with torch.autocast("cpu", enabled=False):  # as the forward ran, even where backward() runs under autocast
             grad_out = _dense(grad_out, qg.dtype).view(qg.shape)                         # (B·kv, g·Tq, hd)
             if ctx.needs_input_grad[2]:
-                dv = torch.bmm(probs.transpose(1, 2), grad_out).view(ctx.kv_shape).to(ctx.dtypes[2])
+                dv = _heads_last(torch.bmm(probs.transpose(1, 2), grad_out), ctx.kv_shape, ctx.dtypes[2])
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
                 dp = torch.bmm(grad_out, v.transpose(1, 2))                             # (B·kv, g·Tq, Tk)
                 ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
@@ -187,10 +187,21 @@ class ShortAttention(torch.autograd.Function):
                     B, h, Tq, _ = ctx.q_shape
                     dbias = ds.view(B, h, Tq, -1).sum_to_size(ctx.bias_shape)
                 if ctx.needs_input_grad[0]:
-                    dq = torch.bmm(ds, k).mul_(ctx.scale).view(ctx.q_shape).to(ctx.dtypes[0])
+                    dq = _heads_last(torch.bmm(ds, k), ctx.q_shape, ctx.dtypes[0], ctx.scale)
                 if ctx.needs_input_grad[1]:
-                    dk = torch.bmm(ds.transpose(1, 2), qg).mul_(ctx.scale).view(ctx.kv_shape).to(ctx.dtypes[1])
+                    dk = _heads_last(torch.bmm(ds.transpose(1, 2), qg), ctx.kv_shape, ctx.dtypes[1], ctx.scale)
         return dq, dk, dv, dbias, None
+
+
+def _heads_last(t: torch.Tensor, shape, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
+    """A gradient (B, h, T, hd) laid out in (B, T, h, hd) memory, cast and scaled in the same pass.
+
+    The projections were split into heads by a view and a transpose, so their gradients go back through
+    the transpose and the view: in this layout the view's backward is a view too, where a contiguous
+    (B, h, T, hd) gradient would be copied once more (and, in half precision, cast once more before)."""
+    B, h, T, hd = shape
+    out = torch.empty(B, T, h, hd, dtype=dtype, device=t.device).transpose(1, 2)  # (B, h, T, hd)
+    return out.copy_(t.view(shape)) if scale is None else torch.mul(t.view(shape), scale, out=out)
 
 
 def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
