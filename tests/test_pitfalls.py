@@ -206,6 +206,11 @@ def test_short_key_training_attention_equals_the_oracle(case):
     for got, want in zip(grads, ref_in):
         assert got.transpose(1, 2).is_contiguous()
         torch.testing.assert_close(got.double(), want.grad, atol=1e-5, rtol=1e-5)
+    half = qkv.detach().bfloat16().requires_grad_()  # in bf16 the same layout, cast in the same copy
+    views = [t.view(B, t.shape[1], -1, 8).transpose(1, 2) for t in half.split([h * 8, kv * 8, kv * 8], -1)]
+    out3, _ = scaled_dot_product_attention(*views, mask=mask, is_causal=is_causal)
+    for got in torch.autograd.grad(out3, views, grad.bfloat16()):
+        assert got.dtype == torch.bfloat16 and got.transpose(1, 2).is_contiguous()
 
 
 def test_short_key_training_attention_edge_cases():
@@ -521,10 +526,45 @@ def test_residual_dropout_add_is_dropout_then_add(monkeypatch, path):
     y, tangent = torch.func.jvp(drop.add_to, (r, x), (torch.zeros_like(r), t))
     torch.manual_seed(2)
     assert torch.equal(y, r + drop(x)) and torch.equal(tangent, torch.where(y != r, t * (65536 / (65536 - 13107)), 0.0))
+    from torch.autograd import forward_ad  # a tangent for x only, the output fp32 from a bf16 x: an fp32 tangent
+    xb = x.bfloat16()
+    with forward_ad.dual_level():
+        torch.manual_seed(2)
+        dual = drop.add_to(r, forward_ad.make_dual(xb, t.bfloat16()))
+        y, tangent = forward_ad.unpack_dual(dual)
+    torch.manual_seed(2)
+    assert torch.equal(y, r + drop(xb).float())
+    assert tangent.dtype == torch.float32 and torch.equal(tangent, drop_like(y != r, t.bfloat16()).float())
+    # second derivatives, and gradients where only one input wants one
+    x2 = torch.randn(3, 50, requires_grad=True)
+    y = drop.add_to(r, x2)
+    g = torch.randn(3, 50, requires_grad=True)
+    (dx,) = torch.autograd.grad(y, x2, g, create_graph=True)
+    (dg,) = torch.autograd.grad(dx, g, torch.ones(3, 50))
+    assert torch.equal(dg, drop_like(dx != 0, torch.ones(3, 50)))
+    r2 = torch.randn(3, 50, requires_grad=True)
+    (dr,) = torch.autograd.grad(drop.add_to(r2, x), r2, g.detach())
+    assert torch.equal(dr, g.detach())
     torch.manual_seed(3)
     wide = drop.add_to(torch.randn(4, 1, 50), x)  # (a residual that broadcasts: the unfused path)
     assert wide.shape == (4, 3, 50)
     assert torch.equal(drop.eval().add_to(r, x), r + x)
+
+
+def drop_like(kept, t, p=0.2):
+    """t through the mask ``kept`` of a Dropout(p), scaled as attnlab scales (p rounded to a multiple of 2⁻¹⁶)."""
+    return torch.where(kept, t * (65536 / (65536 - round(p * 65536))), 0.0).to(t.dtype)
+
+
+def test_residual_connection_takes_any_module_as_its_dropout():
+    """Model surgery that replaces a SublayerConnection's dropout (by nn.Identity, nn.Dropout) keeps working:
+    the module is called, the residual added."""
+    from torch import nn
+    from attnlab.model.layers import SublayerConnection
+    conn = SublayerConnection(TransformerConfig(vocab_size=11, d_model=16, n_heads=2, d_ff=32, dropout=0.1)).train()
+    conn.dropout = nn.Identity()
+    x = torch.randn(2, 3, 16)
+    assert torch.equal(conn(x, lambda t: 2 * t), conn.norm(x + 2 * x) if not conn.pre_norm else x + 2 * conn.norm(x))
 
 
 def test_dropout_add_kernel_is_the_hash_it_documents(monkeypatch):
@@ -541,7 +581,29 @@ def test_dropout_add_kernel_is_the_hash_it_documents(monkeypatch):
     x, r = torch.randn(64, 48, generator=g), torch.randn(48, 64, generator=g)
     assert torch.equal(torch.ops.attnlab.dropout_add(x.t(), r, 3, 6554, 1.5),
                        torch.ops.attnlab.dropout_add(x.t().contiguous(), r, 3, 6554, 1.5))
+    h = torch.randn(1000, generator=g).half()  # the fp16 residual branch
+    keep = _kernel_keep(1000, 5, 6554)
+    want = (h.float() + torch.where(keep, h.float() * 1.25, 0.0).half().float()).half()
+    assert torch.equal(torch.ops.attnlab.dropout_add(h, h, 5, 6554, 1.25), want)
     with pytest.raises(RuntimeError, match="residual of x's shape"):
         torch.ops.attnlab.dropout_add(x, r, 3, 6554, 1.5)
     with pytest.raises(RuntimeError, match="the wider"):
         torch.ops.attnlab.dropout_add(x, r.t().bfloat16(), 3, 6554, 1.5)
+
+
+def test_short_key_attention_traces_without_graph_breaks():
+    """ShortAttention (forward and its hand-written backward) is traced whole by torch.compile: a graph break
+    there would keep inductor from fusing around it, the reason it is taken under compile too."""
+    import torch._dynamo
+    from attnlab import accel
+    if not accel.can_compile("cpu"):
+        pytest.skip("torch.compile cannot generate CPU code here")
+    B, h, T, hd = 2, 4, 16, 8
+
+    def step(qkv):
+        q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, -1))
+        return scaled_dot_product_attention(q, k, v, is_causal=True)[0].sum()
+
+    qkv = torch.randn(B, T, 3 * h * hd, requires_grad=True)
+    explained = torch._dynamo.explain(step)(qkv)
+    assert explained.graph_break_count == 0, explained.break_reasons

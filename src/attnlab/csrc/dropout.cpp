@@ -85,6 +85,8 @@ void apply_block(const at::Half* __restrict x, at::Half* __restrict out, const u
 
 // dropout_add: out = residual + dropout(x), in the residual's dtype; the dropped x · scale rounded to x's dtype
 // first, so the sum is the one of dropout(x) then a cast and an add (the three passes it replaces), bit for bit.
+// (The select between the multiply and the add is a bit mask: no fused multiply-add can join them. fp16 goes
+// through c10's scalar conversions, not vectorised, as in apply_block.)
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return bf16_to_float(v.x); }
 inline float to_float(at::Half v) { return static_cast<float>(v); }
@@ -142,13 +144,13 @@ void keys(int64_t seed, uint32_t& k0, uint32_t& k1) {  // the seed's two halves 
   k1 = lowbias32(static_cast<uint32_t>(s >> 32) ^ k0);
 }
 
-void check(const at::Tensor& x, int64_t dropped) {
-  TORCH_CHECK(x.device().is_cpu(), "attnlab::dropout: a CPU tensor is expected");
-  TORCH_CHECK(dropped >= 0 && dropped < 65536, "attnlab::dropout: dropped must be in [0, 65536), got ", dropped);
+void check(const char* op, const at::Tensor& x, int64_t dropped) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": a CPU tensor is expected");
+  TORCH_CHECK(dropped >= 0 && dropped < 65536, op, ": dropped must be in [0, 65536), got ", dropped);
 }
 
 at::Tensor dropout(const at::Tensor& x, int64_t seed, int64_t dropped, double scale) {
-  check(x, dropped);
+  check("attnlab::dropout", x, dropped);
   at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty_like(xc);
   uint32_t k0, k1;
@@ -188,7 +190,7 @@ void run_add_to(const at::Tensor& x, const at::Tensor& r, at::Tensor& out, uint3
 }
 
 at::Tensor dropout_add(const at::Tensor& x, const at::Tensor& residual, int64_t seed, int64_t dropped, double scale) {
-  check(x, dropped);
+  check("attnlab::dropout_add", x, dropped);
   TORCH_CHECK(residual.device().is_cpu() && residual.sizes() == x.sizes(),
               "attnlab::dropout_add: a CPU residual of x's shape is expected");
   const auto floating = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; };

@@ -194,14 +194,16 @@ class ShortAttention(torch.autograd.Function):
 
 
 def _heads_last(t: torch.Tensor, shape, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
-    """A gradient (B, h, T, hd) laid out in (B, T, h, hd) memory, cast and scaled in the same pass.
+    """A gradient (B, h, T, hd) laid out in (B, T, h, hd) memory and in ``dtype``, scaled first.
 
     The projections were split into heads by a view and a transpose, so their gradients go back through
     the transpose and the view: in this layout the view's backward is a view too, where a contiguous
-    (B, h, T, hd) gradient would be copied once more (and, in half precision, cast once more before)."""
+    (B, h, T, hd) gradient would be copied once more (in half precision after a cast of its own, which
+    the copy here does). ``t`` is a fresh product: scaled in place (a non-contiguous ``out=`` would break
+    torch.compile's graph, and in half precision PyTorch would compute it in a temporary anyway)."""
     B, h, T, hd = shape
     out = torch.empty(B, T, h, hd, dtype=dtype, device=t.device).transpose(1, 2)  # (B, h, T, hd)
-    return out.copy_(t.view(shape)) if scale is None else torch.mul(t.view(shape), scale, out=out)
+    return out.copy_(t.view(shape) if scale is None else t.view(shape).mul_(scale))
 
 
 def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

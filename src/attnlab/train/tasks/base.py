@@ -290,7 +290,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                     if dtype == torch.float32:
                         grad_w.addmm_(g.t(), xc)
                     else:
-                        grad_w += (g.t() @ xc).float()  # (cast first: PyTorch's CPU add of two dtypes is ~3x slower)
+                        # (cast first: PyTorch's CPU add of two dtypes is ~3x slower; the fp32 copy is one
+                        # (V, d) temporary more, as F.linear's backward under autocast makes too)
+                        grad_w += (g.t() @ xc).float()
         ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)))
         ctx.dtypes = (h.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total / count
