@@ -113,107 +113,84 @@ void add_block(const T* __restrict x, const R* __restrict r, R* __restrict out, 
 constexpr int64_t kBlock = 512;    // elements per block of lanes (2 KB on the stack)
 constexpr int64_t kGrain = 32768;  // elements per task at least
 
-template <typename T>
-void run(const T* x, T* out, int64_t n, uint32_t k0, uint32_t k1, float scale, uint32_t dropped) {
-  // blocks of kBlock elements (aligned: none crosses a multiple of 2^32), each its lanes, then the select
-  at::parallel_for(0, (n + kBlock - 1) / kBlock, kGrain / kBlock, [=](int64_t b, int64_t e) {
-    uint32_t lane[kBlock];
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t i0 = blk * kBlock, len = std::min(kBlock, n - i0);
-      lanes(i0, len, k0, k1, lane);
-      apply_block(x + i0, out + i0, lane, len, scale, dropped);
-    }
-  });
-}
+struct Mask {  // keep(i) = (hash(i) >> 16) >= dropped, the hash keyed by the seed's two halves mixed into k0, k1
+  uint32_t k0, k1, dropped;
+  float scale;
+};
 
-template <typename T, typename R>
-void run_add(const T* x, const R* r, R* out, int64_t n, uint32_t k0, uint32_t k1, float scale, uint32_t dropped) {
-  at::parallel_for(0, (n + kBlock - 1) / kBlock, kGrain / kBlock, [=](int64_t b, int64_t e) {
-    uint32_t lane[kBlock];
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t i0 = blk * kBlock, len = std::min(kBlock, n - i0);
-      lanes(i0, len, k0, k1, lane);
-      add_block(x + i0, r + i0, out + i0, lane, len, scale, dropped);
-    }
-  });
-}
-
-void keys(int64_t seed, uint32_t& k0, uint32_t& k1) {  // the seed's two halves mixed into two keys
-  const uint64_t s = static_cast<uint64_t>(seed);
-  k0 = lowbias32(static_cast<uint32_t>(s) + 0x9E3779B9U);
-  k1 = lowbias32(static_cast<uint32_t>(s >> 32) ^ k0);
-}
-
-void check(const char* op, const at::Tensor& x, int64_t dropped) {
+Mask make_mask(const char* op, const at::Tensor& x, int64_t seed, int64_t dropped, double scale) {
   TORCH_CHECK(x.device().is_cpu(), op, ": a CPU tensor is expected");
   TORCH_CHECK(dropped >= 0 && dropped < 65536, op, ": dropped must be in [0, 65536), got ", dropped);
+  const uint64_t s = static_cast<uint64_t>(seed);
+  const uint32_t k0 = lowbias32(static_cast<uint32_t>(s) + 0x9E3779B9U);
+  return {k0, lowbias32(static_cast<uint32_t>(s >> 32) ^ k0), static_cast<uint32_t>(dropped), static_cast<float>(scale)};
+}
+
+// n elements in blocks of kBlock (aligned: none crosses a multiple of 2^32), in parallel: each block's lanes,
+// then block(i0, len, lanes) applies them.
+template <typename Block>
+void for_each_block(int64_t n, const Mask& m, Block block) {
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, kGrain / kBlock, [&](int64_t b, int64_t e) {
+    uint32_t lane[kBlock];
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t i0 = blk * kBlock, len = std::min(kBlock, n - i0);
+      lanes(i0, len, m.k0, m.k1, lane);
+      block(i0, len, lane);
+    }
+  });
+}
+
+// f(T{}) for the float type T of t (fp32, bf16, fp16).
+template <typename F>
+void with_float_type(const char* op, at::ScalarType t, F f) {
+  switch (t) {
+    case at::kFloat:
+      return f(float{});
+    case at::kBFloat16:
+      return f(at::BFloat16{});
+    case at::kHalf:
+      return f(at::Half{});
+    default:
+      TORCH_CHECK(false, op, ": float32, bfloat16 or float16 expected, got ", t);
+  }
 }
 
 at::Tensor dropout(const at::Tensor& x, int64_t seed, int64_t dropped, double scale) {
-  check("attnlab::dropout", x, dropped);
+  const Mask m = make_mask("attnlab::dropout", x, seed, dropped, scale);
   at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty_like(xc);
-  uint32_t k0, k1;
-  keys(seed, k0, k1);
-  const auto d = static_cast<uint32_t>(dropped);
-  const auto sc = static_cast<float>(scale);
-  switch (xc.scalar_type()) {
-    case at::kFloat:
-      run(xc.data_ptr<float>(), out.data_ptr<float>(), xc.numel(), k0, k1, sc, d);
-      break;
-    case at::kBFloat16:
-      run(xc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), xc.numel(), k0, k1, sc, d);
-      break;
-    case at::kHalf:
-      run(xc.data_ptr<at::Half>(), out.data_ptr<at::Half>(), xc.numel(), k0, k1, sc, d);
-      break;
-    default:
-      TORCH_CHECK(false, "attnlab::dropout: float32, bfloat16 or float16 expected, got ", xc.scalar_type());
-  }
+  with_float_type("attnlab::dropout", xc.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = xc.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    for_each_block(xc.numel(), m, [&](int64_t i0, int64_t len, const uint32_t* lane) {
+      apply_block(xp + i0, op + i0, lane, len, m.scale, m.dropped);
+    });
+  });
   return out;
 }
 
-template <typename T>
-void run_add_to(const at::Tensor& x, const at::Tensor& r, at::Tensor& out, uint32_t k0, uint32_t k1, float sc,
-                uint32_t d) {
-  const T* xp = x.data_ptr<T>();
-  switch (r.scalar_type()) {
-    case at::kFloat:
-      run_add(xp, r.data_ptr<float>(), out.data_ptr<float>(), x.numel(), k0, k1, sc, d);
-      break;
-    case at::kBFloat16:
-      run_add(xp, r.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.numel(), k0, k1, sc, d);
-      break;
-    default:  // (kHalf: dropout_add checked the pair)
-      run_add(xp, r.data_ptr<at::Half>(), out.data_ptr<at::Half>(), x.numel(), k0, k1, sc, d);
-  }
-}
-
 at::Tensor dropout_add(const at::Tensor& x, const at::Tensor& residual, int64_t seed, int64_t dropped, double scale) {
-  check("attnlab::dropout_add", x, dropped);
+  const Mask m = make_mask("attnlab::dropout_add", x, seed, dropped, scale);
   TORCH_CHECK(residual.device().is_cpu() && residual.sizes() == x.sizes(),
               "attnlab::dropout_add: a CPU residual of x's shape is expected");
-  const auto floating = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; };
-  TORCH_CHECK(floating(x.scalar_type()) && floating(residual.scalar_type()) &&
-                  at::promote_types(x.scalar_type(), residual.scalar_type()) == residual.scalar_type(),
-              "attnlab::dropout_add: float32, bfloat16 or float16 expected, the residual's dtype the wider, got ",
-              x.scalar_type(), " and ", residual.scalar_type());
+  TORCH_CHECK(at::promote_types(x.scalar_type(), residual.scalar_type()) == residual.scalar_type(),
+              "attnlab::dropout_add: the residual's dtype must be the wider, got ", x.scalar_type(), " and ",
+              residual.scalar_type());
   at::Tensor xc = x.contiguous(), rc = residual.contiguous();
   at::Tensor out = at::empty_like(rc);
-  uint32_t k0, k1;
-  keys(seed, k0, k1);
-  const auto d = static_cast<uint32_t>(dropped);
-  const auto sc = static_cast<float>(scale);
-  switch (xc.scalar_type()) {
-    case at::kFloat:
-      run_add_to<float>(xc, rc, out, k0, k1, sc, d);
-      break;
-    case at::kBFloat16:
-      run_add_to<at::BFloat16>(xc, rc, out, k0, k1, sc, d);
-      break;
-    default:
-      run_add_to<at::Half>(xc, rc, out, k0, k1, sc, d);
-  }
+  with_float_type("attnlab::dropout_add", xc.scalar_type(), [&](auto x_tag) {
+    with_float_type("attnlab::dropout_add", rc.scalar_type(), [&](auto r_tag) {
+      using T = decltype(x_tag);
+      using R = decltype(r_tag);
+      const T* xp = xc.data_ptr<T>();
+      const R* rp = rc.data_ptr<R>();
+      R* op = out.data_ptr<R>();
+      for_each_block(xc.numel(), m, [&](int64_t i0, int64_t len, const uint32_t* lane) {
+        add_block(xp + i0, rp + i0, op + i0, lane, len, m.scale, m.dropped);
+      });
+    });
+  });
   return out;
 }
 

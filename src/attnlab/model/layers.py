@@ -58,8 +58,7 @@ class Dropout(nn.Dropout):
         if dropped == 65536 or x.device.type != "cpu":  # (p within 1/131072 of 1 rounds to all dropped)
             return super().forward(x)
         if x.dtype in _KERNEL_DTYPES and fused_dropout():
-            seed = int(torch.empty((), dtype=torch.int64, device="cpu").random_(-2 ** 63, None))  # 64 random bits
-            return _FusedDropout.apply(x, seed, dropped)
+            return _FusedDropout.apply(x, _seed(), dropped)
         n = x.numel()
         draws = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-2 ** 63, None)
         lanes = draws.view(torch.int16)[:n].view(x.shape)  # 4 lanes per draw, each uniform on [-32768, 32767]
@@ -71,17 +70,21 @@ class Dropout(nn.Dropout):
         bit for bit the kernel's dropout, a cast and an add), where those were three, each a full read and
         write of an activation, memory-bound on CPU (forward + backward of a Marian d512 step in bf16: ~1%)."""
         if not self.training or self.p == 0.0:
-            return residual + x if residual.dtype == x.dtype else _residual_add(residual, x)  # (decoding: no detour)
+            return _residual_add(residual, x)
         dropped = round(self.p * 65536)
         if (0 < dropped < 65536 and x.device.type == "cpu" and residual.shape == x.shape
                 and x.dtype in _KERNEL_DTYPES and residual.dtype in _KERNEL_DTYPES
                 and torch.promote_types(x.dtype, residual.dtype) == residual.dtype and fused_dropout()):
-            seed = int(torch.empty((), dtype=torch.int64, device="cpu").random_(-2 ** 63, None))  # 64 random bits
-            return _FusedDropoutAdd.apply(x, residual, seed, dropped)
+            return _FusedDropoutAdd.apply(x, residual, _seed(), dropped)
         return _residual_add(residual, self(x))
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _seed() -> int:
+    """64 random bits from torch's CPU generator: the kernels' seed, one draw per call."""
+    return int(torch.empty((), dtype=torch.int64, device="cpu").random_(-2 ** 63, None))
 
 
 class _FusedDropout(torch.autograd.Function):
@@ -170,9 +173,9 @@ def _build_fused_dropout() -> bool:
             @torch.library.register_fake("attnlab::dropout_add")
             def _(x, residual, seed, dropped, scale):
                 return torch.empty_like(residual, memory_format=torch.contiguous_format)
-        y = torch.ops.attnlab.dropout(torch.ones(4096, dtype=torch.float32, device="cpu"), 12345, 32768, 2.0)  # p = 1/2
-        ok = bool(((y == 0) | (y == 2)).all()) and 1800 < int((y == 2).sum()) < 2300
         one = torch.ones(4096, dtype=torch.float32, device="cpu")
+        y = torch.ops.attnlab.dropout(one, 12345, 32768, 2.0)  # p = 1/2
+        ok = bool(((y == 0) | (y == 2)).all()) and 1800 < int((y == 2).sum()) < 2300
         ok = ok and torch.equal(torch.ops.attnlab.dropout_add(one, one, 12345, 32768, 2.0), y + 1)
     except Exception as e:  # a compiler that cannot build it, a failed load
         accel._once("dropout-build", f"attnlab's dropout kernel did not build ({str(e).strip().splitlines()[:2]}): "
