@@ -121,7 +121,9 @@ def build_models(s) -> dict:
                                     max_position_embeddings=512, pad_token_id=0, eos_token_id=2,
                                     decoder_start_token_id=1, scale_embedding=True)
     hf = transformers.MarianMTModel(cfg).train()
-    return {"attnlab": from_hf(hf).train(), "hf_marian": hf, "torch_nn_transformer": TorchSeq2Seq(s).train()}
+    # attnlab's side as its trainer sets a model up (accel.accelerate_for_training: oneDNN's fp32 GEMMs on
+    # CPUs where they outrun MKL's)
+    return {"attnlab": accel.accelerate_for_training(from_hf(hf).train()), "hf_marian": hf, "torch_nn_transformer": TorchSeq2Seq(s).train()}
 
 
 def make_optimizer(key, model):

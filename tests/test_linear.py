@@ -1,5 +1,7 @@
 """The pre-packed CPU inference path (accel.PackedLinear) against F.linear (the oracle)."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -151,3 +153,113 @@ def test_the_avx2_cap_is_named_and_really_caps_the_kernels():
         assert capability == "AVX2"
     if accel.cpu_isa() != "AVX2":  # a wider CPU says what it was capped from
         assert "capped on" in isa
+
+
+# -- training: oneDNN's fp32 GEMM (accel.OneDNNLinear) against F.linear in float64 ----------------------
+
+
+def _float64_reference(x, w, b, dy):
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if b is not None else None
+    y = F.linear(x64, w64, b64)
+    grads = torch.autograd.grad(y, [t for t in (x64, w64, b64) if t is not None], dy.double())
+    return y, grads
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("layout", ["2d", "3d", "strided"])
+def test_onednn_training_linear_equals_float64(bias, layout):
+    """Forward and all three gradients of OneDNNLinear, for 2-D, 3-D and non-contiguous inputs, against
+    F.linear in float64 (run wherever oneDNN's linear op exists, whichever path this CPU picks)."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 48, requires_grad=True)
+    b = torch.randn(40, requires_grad=True) if bias else None
+    x = {"2d": torch.randn(30, 48), "3d": torch.randn(3, 10, 48),
+         "strided": torch.randn(10, 3, 48).transpose(0, 1)}[layout].requires_grad_()
+    y = linear_mod.OneDNNLinear.apply(x, w, b)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], dy)
+    ref, want = _float64_reference(x, w, b, dy)
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+    for g, r, t in zip(got, want, (x, w, b)):
+        assert g.shape == t.shape
+        torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-5)
+
+
+def test_onednn_training_linear_second_order_and_forward_mode():
+    """create_graph (double backward) and forward-mode AD give F.linear's derivatives."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    x, w, b = torch.randn(6, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True), torch.randn(5)
+    tx, tw = torch.randn(6, 8), torch.randn(5, 8)
+    sides = []
+    for fn in (linear_mod.OneDNNLinear.apply, F.linear):
+        (gx,) = torch.autograd.grad((fn(x, w, b) ** 2).sum(), x, create_graph=True)
+        (ggw,) = torch.autograd.grad(gx.sum(), w)  # d/dw of (dL/dx): zero unless the graph was kept
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x.detach(), tx), fwAD.make_dual(w.detach(), tw), b)).tangent
+        sides.append((ggw, tangent))
+    assert sides[1][0].abs().sum() > 0
+    for got, want in zip(*sides):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+def test_linear_takes_onednn_only_for_fp32_training_where_it_is_faster(monkeypatch):
+    """accel.linear: OneDNNLinear for an fp32 product that needs gradients where the CPU check says so;
+    F.linear under no_grad, autocast, the switch off, oneDNN capped below AVX-512 and for bf16."""
+    from attnlab import accel
+    lin = Linear(16, 8)
+    x = torch.randn(4, 16)
+
+    def path():
+        return type(accel.linear(x, lin.weight, lin.bias).grad_fn).__name__
+
+    expected = "OneDNNLinearBackward" if accel.onednn_training_gemm_ok() else "AddmmBackward0"
+    assert path() == expected
+    if "ONEDNN_MAX_CPU_ISA" not in os.environ:  # every CPU with avx512_core takes it (the probe passes)
+        assert accel.onednn_training_gemm_ok() == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= accel.cpu_flags())
+    with torch.no_grad():
+        assert accel.linear(x, lin.weight, lin.bias).grad_fn is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert path() != "OneDNNLinearBackward"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not accel.onednn_training_gemm_ok() and path() == "AddmmBackward0"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("ATTNLAB_PACKED_LINEAR", "0")
+    assert not accel.onednn_training_gemm_ok() and path() == "AddmmBackward0"
+    monkeypatch.delenv("ATTNLAB_PACKED_LINEAR")
+    xb, wb = x.bfloat16(), lin.weight.detach().bfloat16().requires_grad_()
+    assert type(accel.linear(xb, wb).grad_fn).__name__ != "OneDNNLinearBackward"
+
+
+def test_a_training_step_is_the_same_on_either_gemm(monkeypatch):
+    """One update of a small encoder-decoder set up as the trainer does (accelerate_for_training, the fused
+    loss) on oneDNN's GEMMs and on MKL's: the same loss and parameters within fp32 rounding."""
+    from attnlab import accel
+    from attnlab.config import get_preset
+    from attnlab.model import build_model
+    from attnlab.train.tasks.base import output_loss
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(accel, "_training_gemm_ok", {})
+        monkeypatch.setattr(accel, "_decide_training_gemm", lambda on=on: on)
+        torch.manual_seed(0)
+        model = accel.accelerate_for_training(build_model(get_preset("mt-tiny", vocab_size=120, dropout=0.0)).train())
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        src, tgt = torch.randint(4, 120, (3, 7)), torch.randint(4, 120, (3, 6))
+        hidden = model(src, tgt, hidden_only=True)
+        seen, fn = set(), [hidden.grad_fn]
+        while fn:  # the graph's node types: which GEMM the linears took
+            f = fn.pop()
+            if f is not None and f not in seen:
+                seen.add(f)
+                fn.extend(n for n, _ in f.next_functions)
+        assert any(type(f).__name__ == "OneDNNLinearBackward" for f in seen) == on
+        loss = output_loss(model, hidden, tgt, 0, 0.1)[0]
+        loss.backward()
+        opt.step()
+        results.append((loss.detach(), [p.detach().clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -248,11 +248,18 @@ def test_chunked_cross_entropy_equals_torch(dtype):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_fused_output_loss_equals_the_projection_and_torch(bias, monkeypatch):
+@pytest.mark.parametrize("gemm", ["onednn", "mkl"])
+def test_fused_output_loss_equals_the_projection_and_torch(bias, gemm, monkeypatch):
     """The trainer's output projection + loss in one function (``LinearCrossEntropy``, four chunks
     here) against F.linear and F.cross_entropy: the same loss and the same gradients of the hidden
-    states, the weight and the bias, with label smoothing, padding ignored and an upstream gradient."""
+    states, the weight and the bias, with label smoothing, padding ignored and an upstream gradient;
+    its products on oneDNN's GEMM (where the op exists) and on MKL's."""
+    from attnlab import accel
+    from attnlab.train.tasks import base
     from attnlab.train.tasks.base import LinearCrossEntropy
+    if gemm == "onednn" and not accel.onednn_linear_ops():
+        pytest.skip("oneDNN not in this PyTorch build")
+    monkeypatch.setattr(base, "onednn_training_gemm_ok", lambda: gemm == "onednn")
     monkeypatch.setattr(LinearCrossEntropy, "MIN_ROWS", 1)
     monkeypatch.setattr(LinearCrossEntropy, "CHUNK", 50 * 999)  # 50 rows a chunk, a short tail
     torch.manual_seed(0)

@@ -284,7 +284,7 @@ class PackedLinear(nn.Linear):
                 _packed[self] = entry
             return torch.ops.mkldnn._linear_pointwise(x, entry[2], None if self.bias is None else self.bias.detach(),
                                                       "none", [], "")
-        return F.linear(x, w, self.bias)
+        return linear(x, w, self.bias)
 
     def prepare_for_compile(self) -> bool:
         """Before ``torch.compile`` traces this layer (``compiled_step``): register its pack as a
@@ -303,6 +303,104 @@ class PackedLinear(nn.Linear):
         # again by the next compiled_step, whose key the new weights change)
         self._buffers.pop("packed_weight", None)
         return super()._apply(fn, recurse)
+
+
+# -- fp32 training products: oneDNN's GEMM where it outruns MKL -----------------------------------------
+
+
+def onednn_training_gemm_ok() -> bool:
+    """Whether fp32 products that need gradients go to oneDNN's GEMM (plain, unpacked weights) rather than
+    MKL's, which ``F.linear`` and ``torch.mm`` call on CPU.
+
+    Why: on the AMD EPYC of docs/results.md (AVX-512) oneDNN's kernels ran the training step's shapes
+    5–20% faster than MKL's (the forward product and the input's gradient; MKL stays for the weight's
+    gradient, where oneDNN was not faster), and MKL ran at the same speed with its instructions capped at
+    AVX2: on AMD it takes its AVX2 path. With oneDNN capped at AVX2 the two were even, so a CPU without
+    AVX-512 (F, BW, VL, DQ: oneDNN's avx512_core) keeps MKL. On an Intel CPU both libraries are Intel's
+    own kernels for it. Off with ``ATTNLAB_PACKED_LINEAR=0`` (no oneDNN linears at all) or
+    ``ONEDNN_MAX_CPU_ISA`` below AVX-512; checked once against ``F.linear`` on the products it uses."""
+    key = (PACKED, os.environ.get("ATTNLAB_PACKED_LINEAR"), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    ok = _training_gemm_ok.get(key)
+    if ok is None:
+        ok = _training_gemm_ok[key] = _decide_training_gemm()
+    return ok
+
+
+_training_gemm_ok: dict = {}
+
+
+def _decide_training_gemm() -> bool:
+    if not PACKED or _env_off("ATTNLAB_PACKED_LINEAR"):
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if not ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags() and (cap == "ALL" or "AVX512" in cap
+                                                                                 or "AMX" in cap)):
+        _once("training-gemm", "fp32 training products: MKL (no AVX-512 for oneDNN here)")
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w, b, dy = (torch.randn(*shape, generator=g) for shape in ((2, 7, 48), (40, 48), (40,), (2, 7, 40)))
+        fwd = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        dx = torch.ops.mkldnn._linear_pointwise(dy, w.t(), None, "none", [], "")
+        return bool(torch.allclose(fwd, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+                    and torch.allclose(dx, dy @ w, atol=1e-4, rtol=1e-4))
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError) as e:
+        _once("training-gemm", f"fp32 training products: MKL (oneDNN's linear failed here: {str(e).splitlines()[0]})")
+        return False
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """``F.linear(x, w, b)`` whose forward product and input gradient run on oneDNN's GEMM (see
+    :func:`onednn_training_gemm_ok`); the weight's gradient is MKL's ``mm``, the bias's a sum. With
+    ``create_graph`` (double backward) the input's gradient is a differentiable ``matmul`` instead."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.save_for_forward(x, w)
+        ctx.has_bias = b is not None
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        out_features, in_features = w.shape
+        rows = dy.reshape(-1, out_features)  # (N, out)
+        dx = dw = db = None
+        if need_x:
+            dx = (dy.matmul(w) if torch.is_grad_enabled()
+                  else torch.ops.mkldnn._linear_pointwise(dy, w.t(), None, "none", [], ""))  # (..., in)
+        if need_w:
+            dw = rows.t().mm(x.reshape(-1, in_features))  # (out, in)
+        if need_b and ctx.has_bias:
+            db = rows.sum(0)
+        return dx, dw, db
+
+    @staticmethod
+    def jvp(ctx, dx, dw, db):
+        x, w = ctx.saved_tensors
+        out = 0
+        if dx is not None:
+            out = out + F.linear(dx, w)
+        if dw is not None:
+            out = out + F.linear(x, dw)
+        if db is not None:
+            out = out + db
+        return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, with oneDNN's GEMM for fp32 products that need gradients on CPUs where it is the
+    faster (:func:`onednn_training_gemm_ok`): eager, outside autocast (which picks its own kernels) and
+    outside ``torch.compile`` (inductor picks its own)."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and (bias is None or bias.dtype == torch.float32) and x.dim() >= 2
+            and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and onednn_training_gemm_ok()):
+        return OneDNNLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 _IN_COMPILED_STEP = False  # True while compiled_step's step runs (dynamo guards on it)
@@ -338,6 +436,13 @@ def accelerate_for_inference(model: nn.Module) -> nn.Module:
         if type(m) is nn.Linear:
             m.__class__ = PackedLinear
     return model
+
+
+def accelerate_for_training(model: nn.Module) -> nn.Module:
+    """The same class swap for training (the trainer's and ``benchmarks/train_speed.py``'s models): where
+    gradients are wanted a linear layer is :func:`linear` (oneDNN's GEMM in fp32 where it is faster);
+    under ``no_grad`` (evaluation) the packed weights of inference."""
+    return accelerate_for_inference(model)
 
 
 # -- compilation -------------------------------------------------------------------------------------
@@ -540,6 +645,7 @@ def _is_compile_failure(e: Exception) -> bool:
     return isinstance(e, BackendCompilerFailed) or type(e).__module__.startswith(("torch._inductor", "torch._dynamo"))
 
 
-__all__ = ["AVX2_ENVIRONMENT", "restart_capped_at_avx2", "PackedLinear", "accelerate_for_inference", "compiled_step", "pick_device", "cpu_flags", "cpu_name",
+__all__ = ["AVX2_ENVIRONMENT", "restart_capped_at_avx2", "PackedLinear", "accelerate_for_inference",
+           "accelerate_for_training", "linear", "OneDNNLinear", "onednn_training_gemm_ok", "compiled_step", "pick_device", "cpu_flags", "cpu_name",
            "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16", "packed_linear_ok", "onednn_linear_ops",
            "cxx_compiler", "can_compile"]

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ...accel import onednn_training_gemm_ok
 from ...config import TransformerConfig, load_config
 from ...data.batching import TokenBatchSampler
 from ...data.readers import DataError
@@ -264,7 +265,10 @@ class LinearCrossEntropy(torch.autograd.Function):
             target = labels.masked_fill(~keep, 0)[:, None]  # (N, 1)
             row_scale = keep.float() / count  # (N,): d(mean loss)/d(row loss), 0 on ignored rows
             rows = min(N, max(LinearCrossEntropy.MIN_ROWS, LinearCrossEntropy.CHUNK // V))
-            buffer = torch.empty(rows, V, dtype=dtype, device=h.device)  # one chunk's logits, reused
+            # fp32 on a CPU where oneDNN's GEMM outruns MKL's (accel.onednn_training_gemm_ok): the logits and
+            # the hidden states' gradient from oneDNN (each chunk's logits a new tensor), the weight's from MKL
+            onednn = dtype == torch.float32 and h.device.type == "cpu" and onednn_training_gemm_ok()
+            buffer = None if onednn else torch.empty(rows, V, dtype=dtype, device=h.device)  # one chunk's logits, reused
             upcast = torch.empty(rows, V, device=h.device) if dtype != torch.float32 else None  # their fp32 copy
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             grad_h = torch.empty_like(x) if need_h else None
@@ -272,11 +276,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_b = torch.zeros(V, dtype=torch.float32, device=h.device) if need_b else None
             for s in range(0, N, rows):
                 xc, t = x[s:s + rows], target[s:s + rows]
-                logits = buffer[:xc.shape[0]]  # (R, V)
-                if b is not None:
-                    torch.addmm(b, xc, w.t(), out=logits)
+                if onednn:
+                    logits = torch.ops.mkldnn._linear_pointwise(xc, w, b, "none", [], "")  # (R, V)
                 else:
-                    torch.mm(xc, w.t(), out=logits)
+                    logits = buffer[:xc.shape[0]]  # (R, V)
+                    if b is not None:
+                        torch.addmm(b, xc, w.t(), out=logits)
+                    else:
+                        torch.mm(xc, w.t(), out=logits)
                 g = upcast[:xc.shape[0]].copy_(logits) if upcast is not None else logits  # fp32 logits
                 row_loss, g = _smoothed_loss_and_grad_(g, t, smoothing, row_scale[s:s + rows])  # (R,), d loss / d logits
                 total += row_loss.masked_fill(~keep[s:s + rows], 0.0).sum()
@@ -284,7 +291,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_b += g.sum(0)
                 if upcast is not None:
                     g = logits.copy_(g)  # back in the products' dtype, over the logits
-                if need_h:
+                if need_h and onednn:
+                    grad_h[s:s + rows] = torch.ops.mkldnn._linear_pointwise(g, w.t(), None, "none", [], "")
+                elif need_h:
                     torch.mm(g, w, out=grad_h[s:s + rows])
                 if need_w:
                     if dtype == torch.float32:
