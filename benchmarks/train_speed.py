@@ -22,6 +22,7 @@ the ms/iter reported is the median after 10 warm-up iterations, the sides taking
 nanoGPT's README run and the compiled attnlab sides also against nanoGPT compiled.
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2]
+    python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
     python benchmarks/train_speed.py --shapes none --corpus [PAIRS.tsv] [--pairs 1024] [--rounds 3]
     python benchmarks/train_speed.py --shapes none --attention [--rounds 5]   # the fused kernel vs ShortAttention
@@ -82,15 +83,21 @@ class TorchSeq2Seq(nn.Module):
 
 
 def matmul_peak(dtype, n: int = 2048) -> float:
-    """FLOP/s of a large square matmul on this machine, now (the roofline the MFU is measured against)."""
+    """FLOP/s of a large square matmul on this machine, now (the roofline the MFU is measured against):
+    the faster of PyTorch's ``mm`` (MKL in fp32 on x86) and oneDNN's linear, where this build has it
+    (attnlab's fp32 training products take oneDNN's on AVX-512 CPUs, where it can be the faster)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
+    products = [lambda: a @ b]
+    if accel.onednn_linear_ops():
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
     best = float("inf")
-    for _ in range(3):  # the best of three: a peak, not a sample of the machine's noise
-        t0 = time.perf_counter()
-        for _ in range(5):
-            a @ b
-        best = min(best, time.perf_counter() - t0)
+    for product in products:
+        product()
+        for _ in range(3):  # the best of three: a peak, not a sample of the machine's noise
+            t0 = time.perf_counter()
+            for _ in range(5):
+                product()
+            best = min(best, time.perf_counter() - t0)
     return 5 * 2 * n ** 3 / best
 
 
@@ -269,6 +276,25 @@ def dropout_table(args) -> dict:
             src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
             step = attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, bf16)
             out[f"step {name} {'bf16' if bf16 else 'fp32'}"] = row(step, args.steps)
+    return out
+
+
+def gemm_table(args) -> dict:
+    """attnlab's fp32 step on ``--shapes`` with its training products on oneDNN's GEMM (where
+    ``accel.onednn_training_gemm_ok``: AVX-512 CPUs) and on MKL's (``ATTNLAB_PACKED_LINEAR=0``), in turns."""
+    paths = {"onednn_ms": lambda: mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "1"}),
+             "mkl_ms": lambda: mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "0"})}
+    with paths["onednn_ms"]():
+        if not accel.onednn_training_gemm_ok():
+            return {"skipped": "attnlab's fp32 training products take MKL on this CPU (no AVX-512 for oneDNN)"}
+    out = {}
+    for name in [] if args.shapes == "none" else args.shapes.split(","):
+        s = SHAPES[name]
+        model = build_models(s)["attnlab"]
+        src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
+        step = attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, False)
+        r = in_turns(step, args.steps, args.rounds, paths)
+        out[f"step {name} fp32"] = {**r, "mkl_over_onednn": round(r["mkl_ms"] / r["onednn_ms"], 3)}
     return out
 
 
@@ -463,6 +489,8 @@ def main():
     ap.add_argument("--attention-shapes", default=None, help="--attention: comma-separated names (default: all)")
     ap.add_argument("--dropout", action="store_true",
                     help="time attnlab's dropout kernel against its torch path (activations, and steps of --shapes)")
+    ap.add_argument("--gemm", action="store_true",
+                    help="time attnlab's fp32 steps of --shapes on oneDNN's GEMM against MKL's, in turns")
     ap.add_argument("--compile", action="store_true",
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
@@ -480,7 +508,8 @@ def main():
     results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(),
                "torch": torch.__version__}
     dtypes = [False] + ([True] if accel.bf16_native("cpu") else [])
-    shapes = [] if args.shapes == "none" or args.dropout else args.shapes.split(",")  # (--dropout: its own steps)
+    shapes = ([] if args.shapes == "none" or args.dropout or args.gemm  # (--dropout, --gemm: their own steps)
+              else args.shapes.split(","))
     for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size)
         results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
@@ -495,6 +524,9 @@ def main():
     if args.dropout:
         results["dropout"] = dropout_table(args)
         print("dropout", json.dumps(results["dropout"]), flush=True)
+    if args.gemm:
+        results["gemm"] = gemm_table(args)
+        print("gemm", json.dumps(results["gemm"]), flush=True)
     if args.attention:
         results["attention"] = attention_table(args)
         print("attention", json.dumps(results["attention"]), flush=True)

@@ -90,6 +90,23 @@ def test_train_speed_attention_table_runs():
     assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 2)
 
 
+def test_train_speed_gemm_table_runs():
+    """train_speed.py --gemm: attnlab's fp32 step on oneDNN's GEMM and on MKL's, in turns, and their ratio
+    (or the reason it was skipped, on a CPU whose fp32 training products take MKL)."""
+    from attnlab import accel
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--gemm", "--shapes", "tiny",
+                          "--steps", "1", "--rounds", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = json.loads(res.stdout.strip().splitlines()[-1])["gemm"]
+    if not accel.onednn_training_gemm_ok():
+        assert "skipped" in table
+        return
+    row = table["step tiny fp32"]
+    assert row["onednn_ms"] > 0 and row["mkl_ms"] > 0
+    assert row["mkl_over_onednn"] == round(row["mkl_ms"] / row["onednn_ms"], 3)
+
+
 def test_train_speed_dropout_table_runs():
     """train_speed.py --dropout: attnlab's dropout kernel and its torch path timed in turns, on an activation
     and on a whole (tiny) step, and their ratio."""
