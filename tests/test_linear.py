@@ -30,6 +30,30 @@ def test_packed_equals_f_linear(shape, bias):
                                    atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("optimizer", ["fused AdamW", "attnlab's make_adamw"])
+def test_packed_weight_follows_fused_optimizer_steps(optimizer):
+    """PyTorch's fused AdamW writes the weights without bumping their version counter: the pack must not
+    outlive the step (a training forward drops it; the trainer's make_adamw bumps the versions itself),
+    or an evaluation after training reads the weights of before it."""
+    from attnlab.train.trainer import make_adamw
+    torch.manual_seed(0)
+    lin = Linear(16, 8)
+    x = torch.randn(3, 16)
+    opt = (torch.optim.AdamW(lin.parameters(), lr=0.1, fused=True) if optimizer == "fused AdamW"
+           else make_adamw(lin.parameters(), lr=0.1))
+    for _ in range(2):
+        with torch.no_grad():
+            lin(x)  # packs (where this CPU can)
+        version = lin.weight._version
+        lin(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if optimizer != "fused AdamW":
+            assert lin.weight._version > version
+        with torch.no_grad():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+
+
 def test_packed_weight_follows_in_place_updates():
     torch.manual_seed(0)
     lin = Linear(16, 8)
@@ -158,92 +182,148 @@ def test_the_avx2_cap_is_named_and_really_caps_the_kernels():
 # -- training: oneDNN's fp32 GEMM (accel.OneDNNLinear) against F.linear in float64 ----------------------
 
 
-def _float64_reference(x, w, b, dy):
+def _float64_reference(x, w, b, dy, wanted):
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     b64 = b.detach().double().requires_grad_() if b is not None else None
     y = F.linear(x64, w64, b64)
-    grads = torch.autograd.grad(y, [t for t in (x64, w64, b64) if t is not None], dy.double())
+    grads = torch.autograd.grad(y, [{"x": x64, "w": w64, "b": b64}[k] for k in wanted], dy.double())
     return y, grads
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("layout", ["2d", "3d", "strided"])
-def test_onednn_training_linear_equals_float64(bias, layout):
-    """Forward and all three gradients of OneDNNLinear, for 2-D, 3-D and non-contiguous inputs, against
-    F.linear in float64 (run wherever oneDNN's linear op exists, whichever path this CPU picks)."""
+@pytest.mark.parametrize("layout", ["2d", "3d", "strided", "broadcast grad"])
+@pytest.mark.parametrize("wanted", ["xwb", "x", "w", "xb"])
+def test_onednn_training_linear_equals_float64(bias, layout, wanted):
+    """Forward and the wanted gradients of OneDNNLinear, for 2-D, 3-D and non-contiguous inputs and a
+    stride-0 upstream gradient (``y.sum()``), with frozen weights or inputs, against F.linear in float64
+    (run wherever oneDNN's linear op exists, whichever path this CPU picks)."""
+    wanted = [k for k in wanted if k != "b" or bias]
     torch.manual_seed(0)
-    w = torch.randn(40, 48, requires_grad=True)
-    b = torch.randn(40, requires_grad=True) if bias else None
-    x = {"2d": torch.randn(30, 48), "3d": torch.randn(3, 10, 48),
-         "strided": torch.randn(10, 3, 48).transpose(0, 1)}[layout].requires_grad_()
+    w = torch.randn(40, 48, requires_grad="w" in wanted)
+    b = torch.randn(40, requires_grad="b" in wanted) if bias else None
+    x = {"2d": torch.randn(30, 48), "3d": torch.randn(3, 10, 48), "broadcast grad": torch.randn(3, 10, 48),
+         "strided": torch.randn(10, 3, 48).transpose(0, 1)}[layout].requires_grad_("x" in wanted)
     y = linear_mod.OneDNNLinear.apply(x, w, b)
-    dy = torch.randn_like(y)
-    got = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], dy)
-    ref, want = _float64_reference(x, w, b, dy)
+    dy = torch.ones(()).expand_as(y) if layout == "broadcast grad" else torch.randn_like(y)
+    got = torch.autograd.grad(y, [{"x": x, "w": w, "b": b}[k] for k in wanted], dy)
+    ref, want = _float64_reference(x, w, b, dy, wanted)
     assert y.shape == ref.shape and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
-    for g, r, t in zip(got, want, (x, w, b)):
-        assert g.shape == t.shape
+    for g, r, k in zip(got, want, wanted):
+        assert g.shape == {"x": x, "w": w, "b": b}[k].shape
         torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-5)
 
 
-def test_onednn_training_linear_second_order_and_forward_mode():
-    """create_graph (double backward) and forward-mode AD give F.linear's derivatives."""
-    import torch.autograd.forward_ad as fwAD
+def test_onednn_training_linear_second_order():
+    """create_graph (double backward) gives F.linear's second derivatives."""
     torch.manual_seed(0)
     x, w, b = torch.randn(6, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True), torch.randn(5)
-    tx, tw = torch.randn(6, 8), torch.randn(5, 8)
     sides = []
     for fn in (linear_mod.OneDNNLinear.apply, F.linear):
         (gx,) = torch.autograd.grad((fn(x, w, b) ** 2).sum(), x, create_graph=True)
         (ggw,) = torch.autograd.grad(gx.sum(), w)  # d/dw of (dL/dx): zero unless the graph was kept
-        with fwAD.dual_level():
-            tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x.detach(), tx), fwAD.make_dual(w.detach(), tw), b)).tangent
-        sides.append((ggw, tangent))
-    assert sides[1][0].abs().sum() > 0
-    for got, want in zip(*sides):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        sides.append(ggw)
+    assert sides[1].abs().sum() > 0
+    torch.testing.assert_close(sides[0], sides[1], atol=1e-4, rtol=1e-5)
 
 
-def test_linear_takes_onednn_only_for_fp32_training_where_it_is_faster(monkeypatch):
-    """accel.linear: OneDNNLinear for an fp32 product that needs gradients where the CPU check says so;
-    F.linear under no_grad, autocast, the switch off, oneDNN capped below AVX-512 and for bf16."""
+def _path(x, w, b=None):
+    return type(linear_mod.linear(x, w, b).grad_fn).__name__
+
+
+def test_linear_takes_onednn_only_for_eager_fp32_training_on_amd_avx512(monkeypatch):
+    """accel.linear: OneDNNLinear for an fp32 product that needs gradients where the CPU check says so
+    (an AMD CPU with AVX-512); F.linear under no_grad, autocast, for bf16, with the switch off, with oneDNN
+    capped below AVX-512, on another vendor, and under torch.func, forward-mode AD and jit.trace."""
+    import torch.autograd.forward_ad as fwAD
     from attnlab import accel
     lin = Linear(16, 8)
     x = torch.randn(4, 16)
-
-    def path():
-        return type(accel.linear(x, lin.weight, lin.bias).grad_fn).__name__
-
-    expected = "OneDNNLinearBackward" if accel.onednn_training_gemm_ok() else "AddmmBackward0"
-    assert path() == expected
-    if "ONEDNN_MAX_CPU_ISA" not in os.environ:  # every CPU with avx512_core takes it (the probe passes)
-        assert accel.onednn_training_gemm_ok() == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= accel.cpu_flags())
+    amd_avx512 = (accel.cpu_vendor() == "AuthenticAMD" and accel._ONEDNN_ISA_CAP == "ALL"
+                  and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= accel.cpu_flags())
+    assert accel.onednn_training_gemm_ok() == amd_avx512  # (the probe passes wherever the op runs)
+    assert _path(x, lin.weight, lin.bias) == ("OneDNNLinearBackward" if amd_avx512 else "AddmmBackward0")
+    if not amd_avx512:
+        monkeypatch.setattr(accel, "_decide_training_gemm", lambda: True)  # the gate's other conditions, here too
+        monkeypatch.setattr(accel, "_training_gemm_ok", {})
+        assert _path(x, lin.weight, lin.bias) == "OneDNNLinearBackward"
     with torch.no_grad():
-        assert accel.linear(x, lin.weight, lin.bias).grad_fn is None
+        assert linear_mod.linear(x, lin.weight, lin.bias).grad_fn is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert path() != "OneDNNLinearBackward"
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert not accel.onednn_training_gemm_ok() and path() == "AddmmBackward0"
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        assert _path(x, lin.weight, lin.bias) != "OneDNNLinearBackward"
+    assert _path(x.bfloat16(), lin.weight.detach().bfloat16().requires_grad_()) != "OneDNNLinearBackward"
+    assert _path(torch.randn(4, 0), torch.randn(8, 0, requires_grad=True)) == "MmBackward0"  # (no features)
+    # torch.func, forward-mode AD and tracing see F.linear, and get its results
+    g = torch.func.grad(lambda w: linear_mod.linear(x, w).sum())(lin.weight.detach())
+    torch.testing.assert_close(g, x.sum(0).expand(8, 16))
+    tangent = torch.randn(4, 16)
+    with fwAD.dual_level():
+        out = linear_mod.linear(fwAD.make_dual(x, tangent), lin.weight, lin.bias)
+        torch.testing.assert_close(fwAD.unpack_dual(out).tangent, F.linear(tangent, lin.weight.detach()))
+    traced = torch.jit.trace(accel.accelerate_for_training(torch.nn.Sequential(torch.nn.Linear(16, 8))), x)
+    assert "PythonOp" not in str(traced.inlined_graph) and "aten::linear" in str(traced.inlined_graph)
+    # the switches
+    monkeypatch.setattr(accel, "_ONEDNN_ISA_CAP", "AVX2")
+    assert not accel.onednn_training_gemm_ok() and _path(x, lin.weight, lin.bias) == "AddmmBackward0"
+    monkeypatch.setattr(accel, "_ONEDNN_ISA_CAP", "ALL")
     monkeypatch.setenv("ATTNLAB_PACKED_LINEAR", "0")
-    assert not accel.onednn_training_gemm_ok() and path() == "AddmmBackward0"
-    monkeypatch.delenv("ATTNLAB_PACKED_LINEAR")
-    xb, wb = x.bfloat16(), lin.weight.detach().bfloat16().requires_grad_()
-    assert type(accel.linear(xb, wb).grad_fn).__name__ != "OneDNNLinearBackward"
+    assert not accel.onednn_training_gemm_ok() and _path(x, lin.weight, lin.bias) == "AddmmBackward0"
 
 
+def test_the_gemm_decision_names_the_vendor_and_the_cap(monkeypatch):
+    """_decide_training_gemm: only an AMD CPU with avx512_core whose oneDNN is not capped below it."""
+    from attnlab import accel
+    avx512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2"})
+    for vendor, flags, cap, want in [("AuthenticAMD", avx512, "ALL", True), ("GenuineIntel", avx512, "ALL", False),
+                                     ("AuthenticAMD", frozenset({"avx2"}), "ALL", False),
+                                     ("AuthenticAMD", avx512, "AVX2", False), ("AuthenticAMD", avx512, "AVX512_CORE", True),
+                                     ("AuthenticAMD", avx512, "AVX10_1_512", True), ("AuthenticAMD", avx512, "DEFAULT", True)]:
+        monkeypatch.setattr(accel, "cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(accel, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(accel, "_ONEDNN_ISA_CAP", cap)
+        assert accel._decide_training_gemm() == want, (vendor, sorted(flags), cap)
+
+
+def test_training_linear_swap_and_back_to_inference():
+    """accelerate_for_training makes every nn.Linear a TrainingLinear (no packs, F.linear's results under
+    no_grad); accelerate_for_inference then makes it a PackedLinear; state-dict keys never change."""
+    from attnlab import accel
+    from attnlab.config import get_preset
+    from attnlab.model import build_model
+    torch.manual_seed(0)
+    model = build_model(get_preset("mt-tiny", vocab_size=120, dropout=0.0)).eval()
+    keys = list(model.state_dict())
+    src, tgt = torch.randint(4, 120, (2, 5)), torch.randint(4, 120, (2, 4))
+    with torch.no_grad():
+        plain = model(src, tgt)
+        accel.accelerate_for_training(model)
+        assert sum(type(m) is accel.TrainingLinear for m in model.modules()) >= 8
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        torch.testing.assert_close(model(src, tgt), plain, atol=0, rtol=0)  # no_grad: F.linear itself
+        assert not any(linear_mod._packed.get(m) is not None for m in model.modules())
+        accel.accelerate_for_inference(model)
+        assert not any(type(m) is accel.TrainingLinear for m in model.modules())
+        torch.testing.assert_close(model(src, tgt), plain, atol=1e-5, rtol=1e-5)
+    assert list(model.state_dict()) == keys
+
+
+@pytest.mark.skipif(not linear_mod.onednn_linear_ops(), reason="oneDNN not in this PyTorch build")
 def test_a_training_step_is_the_same_on_either_gemm(monkeypatch):
     """One update of a small encoder-decoder set up as the trainer does (accelerate_for_training, the fused
-    loss) on oneDNN's GEMMs and on MKL's: the same loss and parameters within fp32 rounding."""
+    loss) on oneDNN's GEMMs and on MKL's: the same loss, parameters and evaluation after it, within fp32
+    rounding; the linears and the fused loss took the GEMM asked for."""
     from attnlab import accel
     from attnlab.config import get_preset
     from attnlab.model import build_model
     from attnlab.train.tasks.base import output_loss
+    onednn_op = torch.ops.mkldnn._linear_pointwise
     results = []
     for on in (True, False):
         monkeypatch.setattr(accel, "_training_gemm_ok", {})
         monkeypatch.setattr(accel, "_decide_training_gemm", lambda on=on: on)
+        rows = []
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                            lambda x, w, *a: rows.append(w.shape[0]) or onednn_op(x, w, *a), raising=False)
         torch.manual_seed(0)
         model = accel.accelerate_for_training(build_model(get_preset("mt-tiny", vocab_size=120, dropout=0.0)).train())
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -257,9 +337,13 @@ def test_a_training_step_is_the_same_on_either_gemm(monkeypatch):
                 fn.extend(n for n, _ in f.next_functions)
         assert any(type(f).__name__ == "OneDNNLinearBackward" for f in seen) == on
         loss = output_loss(model, hidden, tgt, 0, 0.1)[0]
+        assert (120 in rows) == on  # the fused loss's logits: a (V=120, d) weight on oneDNN
         loss.backward()
         opt.step()
-        results.append((loss.detach(), [p.detach().clone() for p in model.parameters()]))
+        with torch.no_grad():
+            evaluated = model.eval()(src, tgt)
+        results.append((loss.detach(), [p.detach().clone() for p in model.parameters()], evaluated))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[0][2], results[1][2], atol=1e-4, rtol=1e-4)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -2,7 +2,8 @@
 
 The model files are plain PyTorch (``nn.Linear``, one attention function). The speed tricks live
 here: ``accelerate_for_inference(model)`` gives every linear layer oneDNN pre-packed weights
-(:class:`PackedLinear`); ``compiled_step`` (``generate/search.py``) asks :func:`can_compile`; bf16
+(:class:`PackedLinear`), and ``accelerate_for_training(model)`` (the trainer's) the same layer, whose
+fp32 products that need gradients run on oneDNN's GEMM where the CPU has AVX-512 (:func:`linear`); ``compiled_step`` (``generate/search.py``) asks :func:`can_compile`; bf16
 autocast asks :func:`bf16_native`. Each is a *capability*, never an assumption. Each asks here first; where the answer is no, the plain PyTorch path runs with the
 same results, and one debug line per process says so (``logging.getLogger("attnlab")``).
 
@@ -12,7 +13,8 @@ such a CPU silently emulates bf16 and runs ~6× slower than fp32 — only a capa
 
 Switches (environment variables, read at every check, so tests can flip them):
 
-* ``ATTNLAB_PACKED_LINEAR=0`` — never pre-pack linear weights (plain ``F.linear``);
+* ``ATTNLAB_PACKED_LINEAR=0`` — no oneDNN linears: never pre-pack weights, and fp32 training products on
+  MKL (plain ``F.linear``);
 * ``ATTNLAB_NO_BF16=1`` — treat the CPU as having no native bf16 (stands in for an AVX2-only CPU:
   ``--bf16`` falls back to fp32, bf16 weights are not packed);
 * ``ATTNLAB_COMPILE=0`` — never ``torch.compile`` the decode step.
@@ -207,7 +209,7 @@ def _probe_packed(dtype: torch.dtype) -> bool:
         w = torch.randn(24, 32, generator=g).to(dtype)
         x = torch.randn(3, 32, generator=g).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        out = onednn_product(x, packed)
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         return bool(torch.allclose(out.float(), F.linear(x, w).float(), atol=tol, rtol=tol))
     except (RuntimeError, TypeError, NotImplementedError) as e:
@@ -253,10 +255,12 @@ class PackedLinear(nn.Linear):
     The packed weight is a cache, never state: made on the first call that can use it and made again
     whenever the weight changes (PyTorch bumps a tensor's version counter on every in-place update,
     e.g. an optimizer step; ``.to()`` and ``load_state_dict`` give new storage or a new version), so
-    training and reloading stay correct. It is used only where nothing needs gradients, on CPU, in a
+    training and reloading stay correct. One update does not bump it: PyTorch's fused AdamW kernel's;
+    so a forward that records gradients drops the pack too. It is used only where nothing needs gradients, on CPU, in a
     dtype this CPU can pack (:func:`packed_linear_ok`), outside autocast (which must keep choosing the
     compute dtype) and outside ``torch.compile`` (which packs weights itself). It costs one extra copy
-    of the weights in memory.
+    of the weights in memory. Everywhere else the layer is :func:`linear` (``F.linear``, or oneDNN's GEMM
+    for fp32 products that need gradients where that is the faster).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -268,7 +272,7 @@ class PackedLinear(nn.Linear):
             if x.numel() <= STREAMED_MAX_ROWS * x.shape[-1]:
                 return streamed_matvec(x, w, self.bias)
             if self._buffers.get("packed_weight") is not None:  # a frozen constant, oneDNN's kernel
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+                return onednn_product(x, self.packed_weight, self.bias)
         if (PACKED and x.device.type == "cpu" and x.dtype == w.dtype and x.dim() >= 2 and x.numel()
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
                 and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
@@ -282,8 +286,11 @@ class PackedLinear(nn.Linear):
             if entry is None or entry[1] != key:
                 entry = (w.detach(), key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_ROWS_HINT))
                 _packed[self] = entry
-            return torch.ops.mkldnn._linear_pointwise(x, entry[2], None if self.bias is None else self.bias.detach(),
-                                                      "none", [], "")
+            return onednn_product(x, entry[2], None if self.bias is None else self.bias.detach())
+        if torch.is_grad_enabled() and w.requires_grad:
+            # a product for training: an optimizer step may follow, and PyTorch's fused AdamW updates the
+            # weights without bumping their version, so the pack is dropped (the next evaluation packs again)
+            _packed.pop(self, None)
         return linear(x, w, self.bias)
 
     def prepare_for_compile(self) -> bool:
@@ -307,6 +314,14 @@ class PackedLinear(nn.Linear):
 
 # -- fp32 training products: oneDNN's GEMM where it outruns MKL -----------------------------------------
 
+# oneDNN reads its ISA cap once per process; so does this (a cap set or unset later does not reach oneDNN)
+_ONEDNN_ISA_CAP = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+
+
+def onednn_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.t() (+ b) on oneDNN's GEMM: ``w`` (out, in) plain or a transposed view, or a oneDNN pack."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
 
 def onednn_training_gemm_ok() -> bool:
     """Whether fp32 products that need gradients go to oneDNN's GEMM (plain, unpacked weights) rather than
@@ -315,11 +330,11 @@ def onednn_training_gemm_ok() -> bool:
     Why: on the AMD EPYC of docs/results.md (AVX-512) oneDNN's kernels ran the training step's shapes
     5–20% faster than MKL's (the forward product and the input's gradient; MKL stays for the weight's
     gradient, where oneDNN was not faster), and MKL ran at the same speed with its instructions capped at
-    AVX2: on AMD it takes its AVX2 path. With oneDNN capped at AVX2 the two were even, so a CPU without
-    AVX-512 (F, BW, VL, DQ: oneDNN's avx512_core) keeps MKL. On an Intel CPU both libraries are Intel's
-    own kernels for it. Off with ``ATTNLAB_PACKED_LINEAR=0`` (no oneDNN linears at all) or
-    ``ONEDNN_MAX_CPU_ISA`` below AVX-512; checked once against ``F.linear`` on the products it uses."""
-    key = (PACKED, os.environ.get("ATTNLAB_PACKED_LINEAR"), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    AVX2: on AMD it takes its AVX2 path. With oneDNN capped at AVX2 the two were even. So: AMD CPUs with
+    AVX-512 (F, BW, VL, DQ: oneDNN's avx512_core) only; on Intel CPUs MKL runs its own AVX-512 kernels and
+    no timing says oneDNN is faster there. Off with ``ATTNLAB_PACKED_LINEAR=0`` (no oneDNN linears at
+    all) or oneDNN capped below AVX-512 (``ONEDNN_MAX_CPU_ISA``); checked once against ``F.linear``."""
+    key = (PACKED, os.environ.get("ATTNLAB_PACKED_LINEAR"), _ONEDNN_ISA_CAP)
     ok = _training_gemm_ok.get(key)
     if ok is None:
         ok = _training_gemm_ok[key] = _decide_training_gemm()
@@ -329,75 +344,81 @@ def onednn_training_gemm_ok() -> bool:
 _training_gemm_ok: dict = {}
 
 
+@lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _decide_training_gemm() -> bool:
     if not PACKED or _env_off("ATTNLAB_PACKED_LINEAR"):
         return False
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    if not ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags() and (cap == "ALL" or "AVX512" in cap
-                                                                                 or "AMX" in cap)):
-        _once("training-gemm", "fp32 training products: MKL (no AVX-512 for oneDNN here)")
+    capped = not (_ONEDNN_ISA_CAP in ("ALL", "DEFAULT") or any(isa in _ONEDNN_ISA_CAP for isa in ("AVX512", "AVX10", "AMX")))
+    if cpu_vendor() != "AuthenticAMD" or capped or not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
+        _once("training-gemm", "fp32 training products: MKL (oneDNN's GEMM is taken on AMD CPUs with AVX-512 only)")
+        return False
+    if not onednn_linear_ops():
+        _once("training-gemm", "fp32 training products: MKL (no oneDNN linear in this PyTorch build)")
         return False
     try:
         g = torch.Generator().manual_seed(0)
         x, w, b, dy = (torch.randn(*shape, generator=g) for shape in ((2, 7, 48), (40, 48), (40,), (2, 7, 40)))
-        fwd = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        dx = torch.ops.mkldnn._linear_pointwise(dy, w.t(), None, "none", [], "")
-        return bool(torch.allclose(fwd, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-                    and torch.allclose(dx, dy @ w, atol=1e-4, rtol=1e-4))
-    except (AttributeError, RuntimeError, TypeError, NotImplementedError) as e:
+        if (torch.allclose(onednn_product(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+                and torch.allclose(onednn_product(dy, w.t()), dy @ w, atol=1e-4, rtol=1e-4)):
+            return True
+        _once("training-gemm", "fp32 training products: MKL (oneDNN's linear disagreed with F.linear here)")
+    except (RuntimeError, TypeError, NotImplementedError) as e:
         _once("training-gemm", f"fp32 training products: MKL (oneDNN's linear failed here: {str(e).splitlines()[0]})")
-        return False
+    return False
 
 
 class OneDNNLinear(torch.autograd.Function):
     """``F.linear(x, w, b)`` whose forward product and input gradient run on oneDNN's GEMM (see
     :func:`onednn_training_gemm_ok`); the weight's gradient is MKL's ``mm``, the bias's a sum. With
-    ``create_graph`` (double backward) the input's gradient is a differentiable ``matmul`` instead."""
+    ``create_graph`` (double backward) the input's gradient is a differentiable ``matmul`` instead. It
+    saves what the backward needs, as ``F.linear`` does: x only if w wants a gradient, w only if x does."""
 
     @staticmethod
     def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        ctx.save_for_forward(x, w)
-        ctx.has_bias = b is not None
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        need_x, need_w = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if need_w else None, w if need_x else None)
+        ctx.has_bias, ctx.shapes = b is not None, (x.shape, w.shape)
+        return onednn_product(x, w, b)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
-        out_features, in_features = w.shape
+        out_features, in_features = ctx.shapes[1]
         rows = dy.reshape(-1, out_features)  # (N, out)
         dx = dw = db = None
         if need_x:
-            dx = (dy.matmul(w) if torch.is_grad_enabled()
-                  else torch.ops.mkldnn._linear_pointwise(dy, w.t(), None, "none", [], ""))  # (..., in)
+            dx = dy.matmul(w) if torch.is_grad_enabled() else onednn_product(dy, w.t())  # (..., in)
         if need_w:
             dw = rows.t().mm(x.reshape(-1, in_features))  # (out, in)
         if need_b and ctx.has_bias:
             db = rows.sum(0)
         return dx, dw, db
 
-    @staticmethod
-    def jvp(ctx, dx, dw, db):
-        x, w = ctx.saved_tensors
-        out = 0
-        if dx is not None:
-            out = out + F.linear(dx, w)
-        if dw is not None:
-            out = out + F.linear(x, dw)
-        if db is not None:
-            out = out + db
-        return out
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, with oneDNN's GEMM for fp32 products that need gradients on CPUs where it is the
-    faster (:func:`onednn_training_gemm_ok`): eager, outside autocast (which picks its own kernels) and
-    outside ``torch.compile`` (inductor picks its own)."""
+    faster (:func:`onednn_training_gemm_ok`): eager autograd only, so outside autocast (which picks its
+    own kernels), ``torch.compile`` (inductor picks its own), ``torch.func`` transforms, forward-mode AD
+    and ``torch.jit.trace`` (none of which a Python autograd.Function over oneDNN's op serves)."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and (bias is None or bias.dtype == torch.float32) and x.dim() >= 2
+            and (bias is None or bias.dtype == torch.float32) and x.dim() >= 2 and x.shape[-1]
             and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active() and not torch.jit.is_tracing()
+            and getattr(torch.autograd.forward_ad, "_current_level", 0) < 0
             and onednn_training_gemm_ok()):
         return OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -423,7 +444,7 @@ def streamed_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     graph fewer."""
     out = (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, K) * (N, K) → (..., N)
     return out if bias is None else out + bias
-PACKED = True  # programmatic switch; ATTNLAB_PACKED_LINEAR=0 in the environment is checked per dtype
+PACKED = True  # programmatic switch for all oneDNN linears; ATTNLAB_PACKED_LINEAR=0 in the environment is checked per dtype
 _PACK_ROWS_HINT = 64  # a pack for 64 rows serves 1…256-row inputs well; a pack for 1 row does not
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → (source, key, packed)
 
@@ -431,18 +452,31 @@ _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → (
 def accelerate_for_inference(model: nn.Module) -> nn.Module:
     """Give every ``nn.Linear`` of ``model`` the pre-packed CPU inference path (in place; idempotent).
     Parameters, state-dict keys, training and results are unchanged: where packing does not apply
-    (gradients, autocast, GPU, a dtype this CPU cannot pack) the layer is ``F.linear``."""
+    (gradients, autocast, GPU, a dtype this CPU cannot pack) the layer is :func:`linear`."""
     for m in model.modules():
-        if type(m) is nn.Linear:
+        if type(m) in (nn.Linear, TrainingLinear):
             m.__class__ = PackedLinear
     return model
 
 
+class TrainingLinear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict keys) whose products go through :func:`linear`:
+    oneDNN's GEMM for fp32 products that need gradients where it is the faster, ``F.linear`` otherwise.
+    No packed weights, so a model in training holds no second copy of them (``accelerate_for_inference``
+    turns it into a :class:`PackedLinear`, which keeps this training path)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def accelerate_for_training(model: nn.Module) -> nn.Module:
-    """The same class swap for training (the trainer's and ``benchmarks/train_speed.py``'s models): where
-    gradients are wanted a linear layer is :func:`linear` (oneDNN's GEMM in fp32 where it is faster);
-    under ``no_grad`` (evaluation) the packed weights of inference."""
-    return accelerate_for_inference(model)
+    """Every ``nn.Linear`` of ``model`` a :class:`TrainingLinear` (in place; idempotent): what the trainer
+    and ``benchmarks/train_speed.py`` do to the model they train. Results are ``F.linear``'s to fp32
+    rounding."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = TrainingLinear
+    return model
 
 
 # -- compilation -------------------------------------------------------------------------------------
@@ -646,6 +680,7 @@ def _is_compile_failure(e: Exception) -> bool:
 
 
 __all__ = ["AVX2_ENVIRONMENT", "restart_capped_at_avx2", "PackedLinear", "accelerate_for_inference",
-           "accelerate_for_training", "linear", "OneDNNLinear", "onednn_training_gemm_ok", "compiled_step", "pick_device", "cpu_flags", "cpu_name",
+           "accelerate_for_training", "TrainingLinear", "linear", "OneDNNLinear", "onednn_product",
+           "onednn_training_gemm_ok", "cpu_vendor", "compiled_step", "pick_device", "cpu_flags", "cpu_name",
            "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16", "packed_linear_ok", "onednn_linear_ops",
            "cxx_compiler", "can_compile"]

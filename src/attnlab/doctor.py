@@ -13,7 +13,7 @@ import torch
 
 from . import quant
 from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
-                    onednn_linear_ops, packed_linear_ok)
+                    onednn_linear_ops, onednn_training_gemm_ok, packed_linear_ok)
 from .model.layers import fused_dropout
 
 
@@ -40,6 +40,7 @@ def report() -> dict:
         "onednn": onednn_linear_ops(),
         "packed_linear_fp32": packed_linear_ok(torch.float32),
         "packed_linear_bf16": packed_linear_ok(torch.bfloat16),
+        "training_gemm_fp32": "oneDNN" if onednn_training_gemm_ok() else "MKL",
         "cxx_compiler": cxx_compiler(),
         "compile_cpu": can_compile("cpu"),
         "own_quant_kernels": quant.own_kernels(),  # (builds them on first use: seconds, then cached on disk)
@@ -76,6 +77,7 @@ def doctor_text(r: dict | None = None) -> str:
         f"  CPU inference linears, fp32   {'oneDNN pre-packed weights' if r['packed_linear_fp32'] else 'F.linear (plain)'}",
         f"  CPU inference linears, bf16   {'oneDNN pre-packed weights' if r['packed_linear_bf16'] else 'F.linear (plain)'}",
         f"  train --bf16 on CPU           {'bf16 autocast' if r['bf16_native_cpu'] else 'fp32 (bf16 not native)'}",
+        f"  train, fp32 products (CPU)    {'oneDNN GEMM (AMD, AVX-512)' if r['training_gemm_fp32'] == 'oneDNN' else 'MKL (F.linear)'}",
         f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}",
         f"  --quantize, decoding (CPU)    {_quantised_path(r)}",
         f"  dropout, training (CPU)       {dropout_path}",

@@ -48,9 +48,18 @@ def make_adamw(groups, **kwargs) -> torch.optim.AdamW:
     a dozen elementwise ops per parameter group), where this device has it; the multi-tensor
     ("foreach") implementation otherwise. Same algorithm, same state dict: checkpoints load either way."""
     try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
+        opt = torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
         return torch.optim.AdamW(groups, **kwargs)
+    # the fused kernel writes the parameters without bumping their version counters (the foreach one
+    # does), and the version is how whatever is derived from the weights knows to renew itself
+    # (accel.PackedLinear's packs for an evaluation, the compiled decode step's frozen weights)
+    opt.register_step_post_hook(_bump_versions)
+    return opt
+
+
+def _bump_versions(opt, args, kwargs) -> None:
+    torch.autograd.graph.increment_version([p for group in opt.param_groups for p in group["params"]])
 
 
 def dist_info() -> tuple[int, int]:

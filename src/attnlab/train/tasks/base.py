@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ...accel import onednn_training_gemm_ok
+from ...accel import onednn_product, onednn_training_gemm_ok
 from ...config import TransformerConfig, load_config
 from ...data.batching import TokenBatchSampler
 from ...data.readers import DataError
@@ -277,7 +277,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             for s in range(0, N, rows):
                 xc, t = x[s:s + rows], target[s:s + rows]
                 if onednn:
-                    logits = torch.ops.mkldnn._linear_pointwise(xc, w, b, "none", [], "")  # (R, V)
+                    logits = onednn_product(xc, w, b)  # (R, V)
                 else:
                     logits = buffer[:xc.shape[0]]  # (R, V)
                     if b is not None:
@@ -292,7 +292,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 if upcast is not None:
                     g = logits.copy_(g)  # back in the products' dtype, over the logits
                 if need_h and onednn:
-                    grad_h[s:s + rows] = torch.ops.mkldnn._linear_pointwise(g, w.t(), None, "none", [], "")
+                    grad_h[s:s + rows] = onednn_product(g, w.t())
                 elif need_h:
                     torch.mm(g, w, out=grad_h[s:s + rows])
                 if need_w:
