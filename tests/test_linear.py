@@ -240,9 +240,11 @@ def test_linear_takes_onednn_only_for_eager_fp32_training_on_amd_avx512(monkeypa
     lin = Linear(16, 8)
     x = torch.randn(4, 16)
     amd_avx512 = (accel.cpu_vendor() == "AuthenticAMD" and accel._ONEDNN_ISA_CAP == "ALL"
-                  and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= accel.cpu_flags())
+                  and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= accel.cpu_flags()
+                  and not accel._env_off("ATTNLAB_PACKED_LINEAR"))  # (CI runs this file with the switch off too)
     assert accel.onednn_training_gemm_ok() == amd_avx512  # (the probe passes wherever the op runs)
     assert _path(x, lin.weight, lin.bias) == ("OneDNNLinearBackward" if amd_avx512 else "AddmmBackward0")
+    decide = accel._decide_training_gemm
     if not amd_avx512:
         monkeypatch.setattr(accel, "_decide_training_gemm", lambda: True)  # the gate's other conditions, here too
         monkeypatch.setattr(accel, "_training_gemm_ok", {})
@@ -262,7 +264,9 @@ def test_linear_takes_onednn_only_for_eager_fp32_training_on_amd_avx512(monkeypa
         torch.testing.assert_close(fwAD.unpack_dual(out).tangent, F.linear(tangent, lin.weight.detach()))
     traced = torch.jit.trace(accel.accelerate_for_training(torch.nn.Sequential(torch.nn.Linear(16, 8))), x)
     assert "PythonOp" not in str(traced.inlined_graph) and "aten::linear" in str(traced.inlined_graph)
-    # the switches
+    # the switches (the real decision again)
+    monkeypatch.setattr(accel, "_decide_training_gemm", decide)
+    monkeypatch.setattr(accel, "_training_gemm_ok", {})
     monkeypatch.setattr(accel, "_ONEDNN_ISA_CAP", "AVX2")
     assert not accel.onednn_training_gemm_ok() and _path(x, lin.weight, lin.bias) == "AddmmBackward0"
     monkeypatch.setattr(accel, "_ONEDNN_ISA_CAP", "ALL")
@@ -273,6 +277,7 @@ def test_linear_takes_onednn_only_for_eager_fp32_training_on_amd_avx512(monkeypa
 def test_the_gemm_decision_names_the_vendor_and_the_cap(monkeypatch):
     """_decide_training_gemm: only an AMD CPU with avx512_core whose oneDNN is not capped below it."""
     from attnlab import accel
+    monkeypatch.delenv("ATTNLAB_PACKED_LINEAR", raising=False)
     avx512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2"})
     for vendor, flags, cap, want in [("AuthenticAMD", avx512, "ALL", True), ("GenuineIntel", avx512, "ALL", False),
                                      ("AuthenticAMD", frozenset({"avx2"}), "ALL", False),
