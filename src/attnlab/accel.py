@@ -88,17 +88,22 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-@lru_cache(maxsize=1)
-def cpu_name() -> str:
+def _cpuinfo(*keys: str) -> str | None:
+    """The first of ``keys`` in /proc/cpuinfo (Linux), or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model", "Hardware"):
+                if key.strip() in keys:
                     return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+@lru_cache(maxsize=1)
+def cpu_name() -> str:
+    return _cpuinfo("model name", "Model", "Hardware") or platform.processor() or platform.machine()
 
 
 def cpu_bf16_native() -> bool:
@@ -346,15 +351,7 @@ _training_gemm_ok: dict = {}
 
 @lru_cache(maxsize=1)
 def cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id") or ""
 
 
 def _decide_training_gemm() -> bool:
