@@ -304,14 +304,23 @@ def test_attention_keeps_the_fused_kernel_outside_short_key_training():
         assert scaled_dot_product_attention(q, k, v)[0].grad_fn is None
 
 
-def test_bf16_training_attention_runs_in_fp32_on_cpu():
-    """Under bf16 autocast on CPU, training (inputs that need gradients) computes attention in fp32 — the
-    fused kernel's bf16 backward is several times slower there — and returns bf16: short keys take
-    ShortAttention, longer ones (up to 512) PyTorch's fused kernel in fp32, each rounding exactly its fp32
-    result, with its fp32 gradients. Inference keeps the bf16 kernel."""
+def test_bf16_training_attention_on_cpu(monkeypatch):
+    """Under bf16 autocast on CPU, training (inputs that need gradients) keeps the softmax's inputs in fp32 and
+    returns bf16. Longer keys (up to 512) take PyTorch's fused kernel in fp32 — its bf16 backward is several
+    times slower there — rounding exactly its fp32 result and gradients. Short keys take ShortAttention: without
+    native bf16 (ATTNLAB_NO_BF16=1 stands in) all in fp32, rounding exactly its fp32 result; with it, its
+    scores and dP are fp32 products and P·V and the three gradients bf16 products, equal to the float64 oracle
+    within twice the error of the fp32 result's own rounding to bf16. Inference keeps the bf16 kernel."""
+    from attnlab import accel
+    from attnlab.model.attention import ShortAttention
     torch.manual_seed(0)
-    for Tk in (16, 200):
+    for Tk, native in ((200, False), (16, False), (16, True)):
+        if native and not accel.cpu_bf16_native():
+            continue  # (the suite's every-fast-path-off stage, or a CPU without native bf16)
+        if not native:
+            monkeypatch.setenv("ATTNLAB_NO_BF16", "1")
         q, k, v = (torch.randn(2, 4, Tk, 8).bfloat16() for _ in range(3))
+        assert ShortAttention.product_dtype(q, k, v) == (torch.bfloat16 if native else torch.float32)
         ref_in = [t.float().requires_grad_() for t in (q, k, v)]
         ref, _ = scaled_dot_product_attention(*ref_in, is_causal=True)  # the same path in fp32
         ref.backward(torch.ones_like(ref))
@@ -321,10 +330,58 @@ def test_bf16_training_attention_runs_in_fp32_on_cpu():
             out, _ = scaled_dot_product_attention(*train_in, is_causal=True)
             out.float().sum().backward()
             frozen, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
-        assert out.dtype == torch.bfloat16 and torch.equal(out, ref.detach().bfloat16())
-        for got, want in zip(train_in, ref_in):
-            assert got.grad.dtype == torch.bfloat16 and torch.equal(got.grad, want.grad.bfloat16())
+        assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in train_in)
+        if not native:
+            assert torch.equal(out, ref.detach().bfloat16())
+            for got, want in zip(train_in, ref_in):
+                assert torch.equal(got.grad, want.grad.bfloat16())
+        else:
+            oracle_in = [t.double().requires_grad_() for t in (q, k, v)]
+            oracle = _attention_oracle(*oracle_in, causal_mask(Tk, Tk))
+            oracle.backward(torch.ones_like(oracle))
+
+            def err(x, want):
+                return ((x.double() - want).norm() / want.norm()).item()
+            assert err(out, oracle) <= 2 * err(ref.detach().bfloat16(), oracle) + 1e-6
+            for got, fp32, want in zip(train_in, ref_in, oracle_in):
+                assert err(got.grad, want.grad) <= 2 * err(fp32.grad.bfloat16(), want.grad) + 1e-6
         assert torch.equal(frozen, F.scaled_dot_product_attention(q, k, v, is_causal=True))  # the bf16 kernel
+        monkeypatch.delenv("ATTNLAB_NO_BF16", raising=False)
+
+
+def test_short_attention_bf16_products_keep_fp32_scores():
+    """ShortAttention's bf16 products (native bf16 CPUs): with peaked attention (scores' std ~9, where scores
+    rounded to bf16 would be off by up to ~0.03 before the softmax) the output and all three gradients stay
+    within 2x the error of the fp32 result's own rounding to bf16, against float64 (measured 1.0-1.5x; bf16
+    scores fail it). GQA and a learned bias (T5) with its gradient take the same path."""
+    from attnlab import accel
+    from attnlab.model.attention import ShortAttention
+    if not accel.cpu_bf16_native():
+        pytest.skip("ShortAttention takes bf16 products only on a CPU with native bf16")
+    torch.manual_seed(0)
+    B, h, kv, T, hd = 4, 4, 2, 24, 64
+    q = (torch.randn(B, T, h, hd) * 2.5).bfloat16().transpose(1, 2)   # (B, h, T, hd) in (B, T, h, hd) memory
+    k = (torch.randn(B, T, kv, hd) * 2.5).bfloat16().transpose(1, 2)
+    v = torch.randn(B, T, kv, hd).bfloat16().transpose(1, 2)
+    bias = torch.randn(1, h, T, T).bfloat16()
+    grad = torch.randn(B, h, T, hd).bfloat16()
+    oracle_in = [t.double().requires_grad_() for t in (q, k, v, bias)]
+    oracle = _attention_oracle(*oracle_in[:3], bias=oracle_in[3])
+    oracle.backward(grad.double())
+    fp32_in = [t.float().requires_grad_() for t in (q, k, v, bias)]
+    fp32 = ShortAttention.apply(*fp32_in, 1 / math.sqrt(hd))
+    fp32.backward(grad.float())
+    half_in = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out = ShortAttention.apply(*half_in, 1 / math.sqrt(hd))
+    out.backward(grad)
+    assert out.dtype == torch.bfloat16 and out.transpose(1, 2).is_contiguous()
+
+    def err(x, want):
+        return ((x.double() - want).norm() / want.norm()).item()
+    assert err(out, oracle) <= 2 * err(fp32.detach().bfloat16(), oracle)
+    for got, f, want in zip(half_in, fp32_in, oracle_in):
+        assert got.grad.dtype == torch.bfloat16
+        assert err(got.grad, want.grad) <= 2 * err(f.grad.bfloat16(), want.grad)
 
 
 def _dropout_path(monkeypatch, path):

@@ -144,6 +144,13 @@ class ShortAttention(torch.autograd.Function):
     so K and V are never repeated. ``bias``: additive, broadcastable to (B, h, Tq, Tk), with a gradient
     where it needs one (T5's learned relative positions: dS summed over the axes it was broadcast along);
     every row must keep one finite score (the caller unmasks empty rows, then zeros their output).
+
+    Precision, for bf16 inputs: the scores QKᵀ and dP = dO·Vᵀ, which the softmax and its backward read, are
+    fp32 products (of the bf16 values, exact in fp32), and so are the softmax and dS. On a CPU with native bf16
+    the four products whose results are rounded to bf16 anyway (P·V and the gradients of q, k, v) take bf16
+    operands: P and dS·scale are rounded to bf16 first, as FlashAttention-2 rounds them on GPUs. These batched
+    products are ~2x faster in bf16 there; the result's error stays near bf16's own rounding (measured against
+    float64: docs/results.md). Without native bf16 all six are fp32 products.
     """
 
     @staticmethod
@@ -153,20 +160,31 @@ class ShortAttention(torch.autograd.Function):
         return torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
 
     @staticmethod
+    def product_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+        """The operands' dtype for P·V and the three input gradients: bf16 for bf16 inputs on a CPU with
+        native bf16 (fast there, emulated and slower elsewhere), else :meth:`compute_dtype`."""
+        if q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu":
+            from ..accel import cpu_bf16_native
+            if cpu_bf16_native():
+                return torch.bfloat16
+        return ShortAttention.compute_dtype(q)
+
+    @staticmethod
     def forward(ctx, q, k, v, bias, scale):
         B, h, Tq, hd = q.shape
         kv, Tk = k.shape[1], k.shape[2]
-        dtype = ShortAttention.compute_dtype(q)
-        qg = _dense(q, dtype).view(B * kv, (h // kv) * Tq, hd)                          # (B·kv, g·Tq, hd)
-        k, v = _dense(k, dtype).view(B * kv, Tk, hd), _dense(v, dtype).view(B * kv, Tk, hd)  # (B·kv, Tk, hd)
-        scores = torch.bmm(qg, k.transpose(1, 2)).view(B, h, Tq, Tk)    # (B, h, Tq, Tk)
+        dtype, products = ShortAttention.compute_dtype(q), ShortAttention.product_dtype(q, k, v)
+        ctx.dtypes = q.dtype, k.dtype, v.dtype
+        qg = _dense(q, products).view(B * kv, (h // kv) * Tq, hd)                           # (B·kv, g·Tq, hd)
+        k, v = _dense(k, products).view(B * kv, Tk, hd), _dense(v, products).view(B * kv, Tk, hd)  # (B·kv, Tk, hd)
+        scores = torch.bmm(qg.to(dtype), k.to(dtype).transpose(1, 2)).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
         scores = scores.mul_(scale) if bias is None else torch.add(bias, scores, alpha=scale)
         probs = scores.softmax(dim=-1).view(B * kv, (h // kv) * Tq, Tk)  # (B·kv, g·Tq, Tk)
-        ctx.save_for_backward(qg, k, v, probs)
+        probs_p = probs.to(products)
+        ctx.save_for_backward(qg, k, v, probs, probs_p)
         ctx.scale, ctx.q_shape, ctx.kv_shape = scale, q.shape, (B, kv, Tk, hd)
-        ctx.dtypes = q.dtype, k.dtype, v.dtype
         ctx.bias_shape = None if bias is None else bias.shape
-        out = torch.bmm(probs, v).view(B, h, Tq, hd)
+        out = torch.bmm(probs_p, v).view(B, h, Tq, hd)
         # Returned in the input's dtype and in the (B, Tq, h, hd) memory the caller merges the heads
         # from: the cast and the transpose are one copy, and the caller's merge is a view.
         return torch.empty(B, Tq, h, hd, dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)  # (B, h, Tq, hd)
@@ -174,22 +192,28 @@ class ShortAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # a second derivative through this backward would be wrong: refuse it
     def backward(ctx, grad_out):
-        qg, k, v, probs = ctx.saved_tensors
+        qg, k, v, probs, probs_p = ctx.saved_tensors
+        dtype, products = probs.dtype, v.dtype  # products: the forward's choice (bf16 operands, or all fp32)
         dq = dk = dv = dbias = None
         with torch.autocast("cpu", enabled=False):  # as the forward ran, even where backward() runs under autocast
-            grad_out = _dense(grad_out, qg.dtype).view(qg.shape)                         # (B·kv, g·Tq, hd)
+            grad_p = _dense(grad_out, products).view(qg.shape)                           # (B·kv, g·Tq, hd)
             if ctx.needs_input_grad[2]:
-                dv = _heads_last(torch.bmm(probs.transpose(1, 2), grad_out), ctx.kv_shape, ctx.dtypes[2])
+                dv = _heads_last(torch.bmm(probs_p.transpose(1, 2), grad_p), ctx.kv_shape, ctx.dtypes[2])
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
-                dp = torch.bmm(grad_out, v.transpose(1, 2))                             # (B·kv, g·Tq, Tk)
+                # dP in fp32: the softmax's backward subtracts rowsum(dP ⊙ P) from it
+                dp = torch.bmm(grad_p.to(dtype), v.to(dtype).transpose(1, 2))             # (B·kv, g·Tq, Tk)
                 ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
                 if ctx.needs_input_grad[3]:  # the bias's gradient is dS, summed where it was broadcast
                     B, h, Tq, _ = ctx.q_shape
                     dbias = ds.view(B, h, Tq, -1).sum_to_size(ctx.bias_shape)
+                if products != dtype:  # dS·scale rounded once, then two bf16 products
+                    ds, scale = (ds * ctx.scale).to(products), None
+                else:
+                    scale = ctx.scale
                 if ctx.needs_input_grad[0]:
-                    dq = _heads_last(torch.bmm(ds, k), ctx.q_shape, ctx.dtypes[0], ctx.scale)
+                    dq = _heads_last(torch.bmm(ds, k), ctx.q_shape, ctx.dtypes[0], scale)
                 if ctx.needs_input_grad[1]:
-                    dk = _heads_last(torch.bmm(ds.transpose(1, 2), qg), ctx.kv_shape, ctx.dtypes[1], ctx.scale)
+                    dk = _heads_last(torch.bmm(ds.transpose(1, 2), qg), ctx.kv_shape, ctx.dtypes[1], scale)
         return dq, dk, dv, dbias, None
 
 
