@@ -272,7 +272,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             upcast = torch.empty(rows, V, device=h.device) if dtype != torch.float32 else None  # their fp32 copy
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             grad_h = torch.empty_like(x) if need_h else None
-            grad_w = torch.zeros(V, d, dtype=torch.float32, device=h.device) if need_w else None
+            grad_w = None  # the first chunk's product is it, the others add to it (fp32)
             grad_b = torch.zeros(V, dtype=torch.float32, device=h.device) if need_b else None
             for s in range(0, N, rows):
                 xc, t = x[s:s + rows], target[s:s + rows]
@@ -295,13 +295,16 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_h[s:s + rows] = onednn_product(g, w.t())
                 elif need_h:
                     torch.mm(g, w, out=grad_h[s:s + rows])
-                if need_w:
-                    if dtype == torch.float32:
-                        grad_w.addmm_(g.t(), xc)
-                    else:
-                        # (cast first: PyTorch's CPU add of two dtypes is ~3x slower; the fp32 copy is one
-                        # (V, d) temporary more, as F.linear's backward under autocast makes too)
-                        grad_w += (g.t() @ xc).float()
+                if need_w and grad_w is None:
+                    grad_w = (g.t() @ xc).float()  # (V, d)
+                elif need_w and dtype == torch.float32:
+                    grad_w.addmm_(g.t(), xc)
+                elif need_w:
+                    # (cast first: PyTorch's CPU add of two dtypes is ~3x slower; the fp32 copy is one
+                    # (V, d) temporary more, as F.linear's backward under autocast makes too)
+                    grad_w += (g.t() @ xc).float()
+            if need_w and grad_w is None:  # (no rows)
+                grad_w = torch.zeros(V, d, dtype=torch.float32, device=h.device)
         ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)))
         ctx.dtypes = (h.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total / count
