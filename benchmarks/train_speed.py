@@ -23,6 +23,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2]
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
+    python benchmarks/train_speed.py --attention-products [--shapes small,large] [--rounds 3]  # bf16 vs fp32 products in ShortAttention
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
     python benchmarks/train_speed.py --shapes none --corpus [PAIRS.tsv] [--pairs 1024] [--rounds 3]
     python benchmarks/train_speed.py --shapes none --attention [--rounds 5]   # the fused kernel vs ShortAttention
@@ -30,6 +31,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
 """
 
 import argparse
+import contextlib
 import gzip
 import json
 import math
@@ -301,6 +303,49 @@ def gemm_table(args) -> dict:
     return out
 
 
+def attention_products_table(args) -> dict:
+    """ShortAttention under bf16 autocast (CPUs with native bf16): its P·V and input-gradient products in bf16
+    (what it does there) against all six in fp32 (what it does elsewhere). attnlab's bf16 step on ``--shapes``,
+    the two in turns; and the error of one large-shape attention (output, dq, dk, dv) against float64 on the
+    same bf16 inputs, for scores of std ~1 and ~6, beside the fp32 result's own rounding to bf16."""
+    if not accel.bf16_native("cpu"):
+        return {"skipped": "no native bf16 on this CPU: ShortAttention's products are all fp32 here"}
+    short = attention.ShortAttention
+    fp32_products = staticmethod(lambda q, k, v: short.compute_dtype(q))
+    paths = {"bf16_products_ms": contextlib.nullcontext,
+             "fp32_products_ms": lambda: mock.patch.object(short, "product_dtype", fp32_products)}
+    out = {}
+    for name in [] if args.shapes == "none" else args.shapes.split(","):
+        s = SHAPES[name]
+        model = build_models(s)["attnlab"]
+        src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
+        step = attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, True)
+        r = in_turns(step, args.steps, args.rounds, paths)
+        out[f"step {name} bf16"] = {**r, "fp32_over_bf16": round(r["fp32_products_ms"] / r["bf16_products_ms"], 3)}
+    B, h, T, hd, _ = ATTENTION_SHAPES["large"]
+    g = torch.Generator().manual_seed(0)
+    for spread in (1.0, 2.5):
+        q, k = ((torch.randn(B, T, h, hd, generator=g) * spread).bfloat16().transpose(1, 2) for _ in range(2))
+        v, grad = (torch.randn(B, T, h, hd, generator=g).bfloat16().transpose(1, 2) for _ in range(2))
+
+        def attend(dtype, products=True):
+            ins = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]  # (fresh leaves, no grad)
+            with contextlib.nullcontext() if products else mock.patch.object(short, "product_dtype", fp32_products):
+                o = short.apply(*ins, None, hd ** -0.5)
+            o.backward(grad.to(dtype))
+            return [o.detach()] + [t.grad for t in ins]
+        exact = attend(torch.float64)
+
+        def errors(got):
+            return [float(f"{((a.double() - b).norm() / b.norm()).item():.3g}") for a, b in zip(got, exact)]
+        scores_std = round((q.double() @ k.double().transpose(-1, -2) * hd ** -0.5).std().item(), 2)
+        out[f"error vs float64, scores std {scores_std} (out, dq, dk, dv)"] = {
+            "fp32_rounded_to_bf16": errors([t.bfloat16() for t in attend(torch.float32)]),
+            "fp32_products": errors(attend(torch.bfloat16, products=False)),
+            "bf16_products": errors(attend(torch.bfloat16))}
+    return out
+
+
 # -- an epoch of real pairs, each side batching the way its tool does -------------------------------
 
 def corpus_ids(path: str, pairs: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -494,6 +539,9 @@ def main():
                     help="time attnlab's dropout kernel against its torch path (activations, and steps of --shapes)")
     ap.add_argument("--gemm", action="store_true",
                     help="time attnlab's fp32 steps of --shapes on oneDNN's GEMM against MKL's, in turns")
+    ap.add_argument("--attention-products", action="store_true",
+                    help="time attnlab's bf16 steps of --shapes with ShortAttention's bf16 products against fp32 "
+                         "ones, in turns, and their error against float64 (CPUs with native bf16)")
     ap.add_argument("--compile", action="store_true",
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
@@ -511,7 +559,7 @@ def main():
     results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(),
                "torch": torch.__version__}
     dtypes = [False] + ([True] if accel.bf16_native("cpu") else [])
-    shapes = ([] if args.shapes == "none" or args.dropout or args.gemm  # (--dropout, --gemm: their own steps)
+    shapes = ([] if args.shapes == "none" or args.dropout or args.gemm or args.attention_products  # (their own steps)
               else args.shapes.split(","))
     for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size)
@@ -530,6 +578,9 @@ def main():
     if args.gemm:
         results["gemm"] = gemm_table(args)
         print("gemm", json.dumps(results["gemm"]), flush=True)
+    if args.attention_products:
+        results["attention_products"] = attention_products_table(args)
+        print("attention_products", json.dumps(results["attention_products"]), flush=True)
     if args.attention:
         results["attention"] = attention_table(args)
         print("attention", json.dumps(results["attention"]), flush=True)

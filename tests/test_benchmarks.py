@@ -277,3 +277,26 @@ def test_shakespeare_recipe_smoke(tmp_path):
     assert r["smoke"] and len(runs) == 3 and "nanogpt" not in r
     for k in runs:  # 10% of 20,000 characters, in blocks of 64
         assert r[k]["val_tokens"] > 1500 and 0 < r[k]["val_loss_full_split"] < 10
+
+
+def test_train_speed_attention_products_table_runs():
+    """train_speed.py --attention-products: attnlab's bf16 step with ShortAttention's bf16 products and with fp32
+    ones, in turns, and the errors against float64 (bf16 products within 2x the fp32 result's own rounding);
+    skipped, with its reason, on a CPU without native bf16."""
+    from attnlab import accel
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--attention-products",
+                          "--shapes", "tiny", "--steps", "1", "--rounds", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = json.loads(res.stdout.strip().splitlines()[-1])["attention_products"]
+    if not accel.bf16_native("cpu"):
+        assert "skipped" in table
+        return
+    row = table["step tiny bf16"]
+    assert row["bf16_products_ms"] > 0 and row["fp32_products_ms"] > 0
+    assert row["fp32_over_bf16"] == round(row["fp32_products_ms"] / row["bf16_products_ms"], 3)
+    errors = [v for k, v in table.items() if k.startswith("error vs float64")]
+    assert len(errors) == 2
+    for e in errors:
+        assert all(0 < x <= 2 * floor for x, floor in zip(e["bf16_products"], e["fp32_rounded_to_bf16"]))
+        assert all(0 < x <= 1.01 * floor for x, floor in zip(e["fp32_products"], e["fp32_rounded_to_bf16"]))

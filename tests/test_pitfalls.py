@@ -312,41 +312,47 @@ def test_bf16_training_attention_on_cpu(monkeypatch):
     scores and dP are fp32 products and P·V and the three gradients bf16 products, equal to the float64 oracle
     within twice the error of the fp32 result's own rounding to bf16. Inference keeps the bf16 kernel."""
     from attnlab import accel
-    from attnlab.model.attention import ShortAttention
     torch.manual_seed(0)
+    native_here = accel.cpu_bf16_native()  # (False in the suite's every-fast-path-off stage)
     for Tk, native in ((200, False), (16, False), (16, True)):
-        if native and not accel.cpu_bf16_native():
-            continue  # (the suite's every-fast-path-off stage, or a CPU without native bf16)
-        if not native:
-            monkeypatch.setenv("ATTNLAB_NO_BF16", "1")
-        q, k, v = (torch.randn(2, 4, Tk, 8).bfloat16() for _ in range(3))
-        assert ShortAttention.product_dtype(q, k, v) == (torch.bfloat16 if native else torch.float32)
-        ref_in = [t.float().requires_grad_() for t in (q, k, v)]
-        ref, _ = scaled_dot_product_attention(*ref_in, is_causal=True)  # the same path in fp32
-        ref.backward(torch.ones_like(ref))
-        torch.testing.assert_close(ref, F.scaled_dot_product_attention(*ref_in, is_causal=True), atol=1e-5, rtol=1e-5)
-        train_in = [t.clone().requires_grad_() for t in (q, k, v)]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, _ = scaled_dot_product_attention(*train_in, is_causal=True)
-            out.float().sum().backward()
-            frozen, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
-        assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in train_in)
-        if not native:
-            assert torch.equal(out, ref.detach().bfloat16())
-            for got, want in zip(train_in, ref_in):
-                assert torch.equal(got.grad, want.grad.bfloat16())
-        else:
-            oracle_in = [t.double().requires_grad_() for t in (q, k, v)]
-            oracle = _attention_oracle(*oracle_in, causal_mask(Tk, Tk))
-            oracle.backward(torch.ones_like(oracle))
+        if native and not native_here:
+            continue
+        with monkeypatch.context() as env:
+            if not native:
+                env.setenv("ATTNLAB_NO_BF16", "1")
+            _check_bf16_training_attention(Tk, native)
 
-            def err(x, want):
-                return ((x.double() - want).norm() / want.norm()).item()
-            assert err(out, oracle) <= 2 * err(ref.detach().bfloat16(), oracle) + 1e-6
-            for got, fp32, want in zip(train_in, ref_in, oracle_in):
-                assert err(got.grad, want.grad) <= 2 * err(fp32.grad.bfloat16(), want.grad) + 1e-6
-        assert torch.equal(frozen, F.scaled_dot_product_attention(q, k, v, is_causal=True))  # the bf16 kernel
-        monkeypatch.delenv("ATTNLAB_NO_BF16", raising=False)
+
+def _check_bf16_training_attention(Tk, native):
+    """One case of the test above: Tk keys, ShortAttention's bf16 products expected or not."""
+    from attnlab.model.attention import ShortAttention
+    q, k, v = (torch.randn(2, 4, Tk, 8).bfloat16() for _ in range(3))
+    assert ShortAttention.product_dtype(q, k, v) == (torch.bfloat16 if native else torch.float32)
+    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+    ref, _ = scaled_dot_product_attention(*ref_in, is_causal=True)  # the same path in fp32
+    ref.backward(torch.ones_like(ref))
+    torch.testing.assert_close(ref, F.scaled_dot_product_attention(*ref_in, is_causal=True), atol=1e-5, rtol=1e-5)
+    train_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = scaled_dot_product_attention(*train_in, is_causal=True)
+        out.float().sum().backward()
+        frozen, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in train_in)
+    if not native:
+        assert torch.equal(out, ref.detach().bfloat16())
+        for got, want in zip(train_in, ref_in):
+            assert torch.equal(got.grad, want.grad.bfloat16())
+    else:
+        oracle_in = [t.double().requires_grad_() for t in (q, k, v)]
+        oracle = _attention_oracle(*oracle_in, causal_mask(Tk, Tk))
+        oracle.backward(torch.ones_like(oracle))
+
+        def err(x, want):
+            return ((x.double() - want).norm() / want.norm()).item()
+        assert err(out, oracle) <= 2 * err(ref.detach().bfloat16(), oracle) + 1e-6
+        for got, fp32, want in zip(train_in, ref_in, oracle_in):
+            assert err(got.grad, want.grad) <= 2 * err(fp32.grad.bfloat16(), want.grad) + 1e-6
+    assert torch.equal(frozen, F.scaled_dot_product_attention(q, k, v, is_causal=True))  # the bf16 kernel
 
 
 def test_short_attention_bf16_products_keep_fp32_scores():
@@ -664,3 +670,7 @@ def test_short_key_attention_traces_without_graph_breaks():
     qkv = torch.randn(B, T, 3 * h * hd, requires_grad=True)
     explained = torch._dynamo.explain(step)(qkv)
     assert explained.graph_break_count == 0, explained.break_reasons
+    if accel.cpu_bf16_native():  # bf16 inputs there take bf16 products: the CPU check is a constant to the trace
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(step)(qkv.detach().bfloat16().requires_grad_())
+        assert explained.graph_break_count == 0, explained.break_reasons

@@ -133,6 +133,14 @@ def scaled_dot_product_attention(
 SHORT_KEYS = 64
 
 
+@torch.compiler.assume_constant_result
+def _cpu_bf16_native() -> bool:
+    # a constant to torch.compile (it cannot trace the /proc/cpuinfo read behind it: a graph break there
+    # would leave ShortAttention eager); eager calls ask each time (ATTNLAB_NO_BF16 may change)
+    from ..accel import cpu_bf16_native
+    return cpu_bf16_native()
+
+
 class ShortAttention(torch.autograd.Function):
     """softmax(QKᵀ·scale + bias)·V with a hand-written backward, for training on CPU with short keys.
 
@@ -163,10 +171,8 @@ class ShortAttention(torch.autograd.Function):
     def product_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
         """The operands' dtype for P·V and the three input gradients: bf16 for bf16 inputs on a CPU with
         native bf16 (fast there, emulated and slower elsewhere), else :meth:`compute_dtype`."""
-        if q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu":
-            from ..accel import cpu_bf16_native
-            if cpu_bf16_native():
-                return torch.bfloat16
+        if q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and _cpu_bf16_native():
+            return torch.bfloat16
         return ShortAttention.compute_dtype(q)
 
     @staticmethod
@@ -180,11 +186,10 @@ class ShortAttention(torch.autograd.Function):
         scores = torch.bmm(qg.to(dtype), k.to(dtype).transpose(1, 2)).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
         scores = scores.mul_(scale) if bias is None else torch.add(bias, scores, alpha=scale)
         probs = scores.softmax(dim=-1).view(B * kv, (h // kv) * Tq, Tk)  # (B·kv, g·Tq, Tk)
-        probs_p = probs.to(products)
-        ctx.save_for_backward(qg, k, v, probs, probs_p)
+        ctx.save_for_backward(qg, k, v, probs)
         ctx.scale, ctx.q_shape, ctx.kv_shape = scale, q.shape, (B, kv, Tk, hd)
-        ctx.bias_shape = None if bias is None else bias.shape
-        out = torch.bmm(probs_p, v).view(B, h, Tq, hd)
+        ctx.bias_shape, ctx.bias_dtype = (None, None) if bias is None else (bias.shape, bias.dtype)
+        out = torch.bmm(probs.to(products), v).view(B, h, Tq, hd)
         # Returned in the input's dtype and in the (B, Tq, h, hd) memory the caller merges the heads
         # from: the cast and the transpose are one copy, and the caller's merge is a view.
         return torch.empty(B, Tq, h, hd, dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)  # (B, h, Tq, hd)
@@ -192,20 +197,20 @@ class ShortAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # a second derivative through this backward would be wrong: refuse it
     def backward(ctx, grad_out):
-        qg, k, v, probs, probs_p = ctx.saved_tensors
+        qg, k, v, probs = ctx.saved_tensors
         dtype, products = probs.dtype, v.dtype  # products: the forward's choice (bf16 operands, or all fp32)
         dq = dk = dv = dbias = None
         with torch.autocast("cpu", enabled=False):  # as the forward ran, even where backward() runs under autocast
             grad_p = _dense(grad_out, products).view(qg.shape)                           # (B·kv, g·Tq, hd)
             if ctx.needs_input_grad[2]:
-                dv = _heads_last(torch.bmm(probs_p.transpose(1, 2), grad_p), ctx.kv_shape, ctx.dtypes[2])
+                dv = _heads_last(torch.bmm(probs.to(products).transpose(1, 2), grad_p), ctx.kv_shape, ctx.dtypes[2])
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
                 # dP in fp32: the softmax's backward subtracts rowsum(dP ⊙ P) from it
                 dp = torch.bmm(grad_p.to(dtype), v.to(dtype).transpose(1, 2))             # (B·kv, g·Tq, Tk)
                 ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
                 if ctx.needs_input_grad[3]:  # the bias's gradient is dS, summed where it was broadcast
                     B, h, Tq, _ = ctx.q_shape
-                    dbias = ds.view(B, h, Tq, -1).sum_to_size(ctx.bias_shape)
+                    dbias = ds.view(B, h, Tq, -1).sum_to_size(ctx.bias_shape).to(ctx.bias_dtype)
                 if products != dtype:  # dS·scale rounded once, then two bf16 products
                     ds, scale = (ds * ctx.scale).to(products), None
                 else:

@@ -264,7 +264,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             count = keep.sum()
             target = labels.masked_fill(~keep, 0)[:, None]  # (N, 1)
             row_scale = keep.float() / count  # (N,): d(mean loss)/d(row loss), 0 on ignored rows
-            rows = min(N, max(LinearCrossEntropy.MIN_ROWS, LinearCrossEntropy.CHUNK // V))
+            rows = max(1, min(N, max(LinearCrossEntropy.MIN_ROWS, LinearCrossEntropy.CHUNK // V)))  # (N = 0: no chunk)
             # fp32 on a CPU where oneDNN's GEMM outruns MKL's (accel.onednn_training_gemm_ok): the logits and
             # the hidden states' gradient from oneDNN (each chunk's logits a new tensor), the weight's from MKL
             onednn = dtype == torch.float32 and h.device.type == "cpu" and onednn_training_gemm_ok()
