@@ -305,16 +305,33 @@ def gemm_table(args) -> dict:
 
 def attention_products_table(args) -> dict:
     """ShortAttention under bf16 autocast (CPUs with native bf16): its P·V and input-gradient products in bf16
-    (what it does there) against all six in fp32 (what it does elsewhere). attnlab's bf16 step on ``--shapes``,
-    the two in turns; and the error of one large-shape attention (output, dq, dk, dv) against float64 on the
-    same bf16 inputs, for scores of std ~1 and ~6, beside the fp32 result's own rounding to bf16."""
+    (what it does there for heads of ``attention.BF16_PRODUCTS_MIN_HEAD_DIM`` or more) against all six in fp32
+    (what it does elsewhere), in turns: one self-attention's forward + backward at the short-key shapes of
+    ``--attention`` (both ways whatever the head size), attnlab's bf16 step on ``--shapes``; and the error of one
+    large-shape attention (output, dq, dk, dv) against float64 on the same bf16 inputs, for scores of std ~1 and
+    ~6, beside the fp32 result's own rounding to bf16."""
     if not accel.bf16_native("cpu"):
         return {"skipped": "no native bf16 on this CPU: ShortAttention's products are all fp32 here"}
     short = attention.ShortAttention
     fp32_products = staticmethod(lambda q, k, v: short.compute_dtype(q))
-    paths = {"bf16_products_ms": contextlib.nullcontext,
+    paths = {"bf16_products_ms": lambda: mock.patch.object(attention, "BF16_PRODUCTS_MIN_HEAD_DIM", 0),  # any head size
              "fp32_products_ms": lambda: mock.patch.object(short, "product_dtype", fp32_products)}
     out = {}
+    for name, (B, h, T, hd, causal) in ATTENTION_SHAPES.items():
+        if T > attention.SHORT_KEYS:
+            continue
+        qkv = torch.randn(B, T, 3 * h * hd, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(B, T, h * hd, dtype=torch.bfloat16)
+
+        def run(B=B, h=h, T=T, hd=hd, causal=causal, qkv=qkv, grad=grad):  # as attention_table's, in bf16
+            q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=-1))  # (B, h, T, hd)
+            o, _ = attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            o.transpose(1, 2).reshape(B, T, h * hd).backward(grad)
+            qkv.grad = None
+        r = in_turns(run, max(3, int(args.steps * 40 * 64 * 64 * 48 / (B * h * T * T))), args.rounds, paths)
+        out[f"attention {name} B{B} h{h} T{T} hd{hd} bf16"] = {
+            **r, "fp32_over_bf16": round(r["fp32_products_ms"] / r["bf16_products_ms"], 3),
+            "bf16_products_taken": hd >= attention.BF16_PRODUCTS_MIN_HEAD_DIM}
     for name in [] if args.shapes == "none" else args.shapes.split(","):
         s = SHAPES[name]
         model = build_models(s)["attnlab"]

@@ -292,6 +292,7 @@ def test_train_speed_attention_products_table_runs():
     if not accel.bf16_native("cpu"):
         assert "skipped" in table
         return
+    assert sum(k.startswith("attention ") for k in table) >= 3  # nanogpt, small, large
     row = table["step tiny bf16"]
     assert row["bf16_products_ms"] > 0 and row["fp32_products_ms"] > 0
     assert row["fp32_over_bf16"] == round(row["fp32_products_ms"] / row["bf16_products_ms"], 3)

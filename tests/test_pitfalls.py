@@ -326,8 +326,9 @@ def test_bf16_training_attention_on_cpu(monkeypatch):
 def _check_bf16_training_attention(Tk, native):
     """One case of the test above: Tk keys, ShortAttention's bf16 products expected or not."""
     from attnlab.model.attention import ShortAttention
-    q, k, v = (torch.randn(2, 4, Tk, 8).bfloat16() for _ in range(3))
+    q, k, v = (torch.randn(2, 4, Tk, 64).bfloat16() for _ in range(3))  # (heads of 64: bf16 products where native)
     assert ShortAttention.product_dtype(q, k, v) == (torch.bfloat16 if native else torch.float32)
+    assert ShortAttention.product_dtype(q[..., :32], k[..., :32], v[..., :32]) == torch.float32  # narrower heads
     ref_in = [t.float().requires_grad_() for t in (q, k, v)]
     ref, _ = scaled_dot_product_attention(*ref_in, is_causal=True)  # the same path in fp32
     ref.backward(torch.ones_like(ref))
@@ -672,5 +673,6 @@ def test_short_key_attention_traces_without_graph_breaks():
     assert explained.graph_break_count == 0, explained.break_reasons
     if accel.cpu_bf16_native():  # bf16 inputs there take bf16 products: the CPU check is a constant to the trace
         torch._dynamo.reset()
-        explained = torch._dynamo.explain(step)(qkv.detach().bfloat16().requires_grad_())
+        B, h, T, hd = 2, 2, 16, 64
+        explained = torch._dynamo.explain(step)(torch.randn(B, T, 3 * h * hd, dtype=torch.bfloat16, requires_grad=True))
         assert explained.graph_break_count == 0, explained.break_reasons

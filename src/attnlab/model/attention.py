@@ -131,6 +131,9 @@ def scaled_dot_product_attention(
 # 0.82-0.88x at 128. Under torch.compile the gap is larger: inductor fuses ShortAttention's softmax with the
 # ops around it, where the fused kernel stays one opaque call.
 SHORT_KEYS = 64
+# Head size from which ShortAttention's bf16 inputs take bf16 products (see ShortAttention.product_dtype). Measured
+# by `train_speed.py --attention-products` and the attention alone (docs/results.md, nineteenth #13 session).
+BF16_PRODUCTS_MIN_HEAD_DIM = 64
 
 
 @torch.compiler.assume_constant_result
@@ -169,9 +172,12 @@ class ShortAttention(torch.autograd.Function):
 
     @staticmethod
     def product_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
-        """The operands' dtype for P·V and the three input gradients: bf16 for bf16 inputs on a CPU with
-        native bf16 (fast there, emulated and slower elsewhere), else :meth:`compute_dtype`."""
-        if q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and _cpu_bf16_native():
+        """The operands' dtype for P·V and the three input gradients: bf16 for bf16 inputs with heads of 64 or
+        more on a CPU with native bf16, else :meth:`compute_dtype`. (Those four products are head_dim wide:
+        at 32, nanoGPT's Shakespeare heads, the bf16 ones and their casts ran slower than fp32 here; without
+        native bf16 they are emulated.)"""
+        if (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.shape[-1] >= BF16_PRODUCTS_MIN_HEAD_DIM
+                and q.device.type == "cpu" and _cpu_bf16_native()):
             return torch.bfloat16
         return ShortAttention.compute_dtype(q)
 
