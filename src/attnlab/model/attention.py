@@ -126,10 +126,12 @@ def scaled_dot_product_attention(
 
 # Keys up to which ShortAttention replaces PyTorch's fused kernel while training on CPU. Measured by
 # `python benchmarks/train_speed.py --shapes none --attention` (2 threads, AVX-512, fp32, self-attention
-# forward + backward as the model runs it; docs/results.md): the fused kernel over ShortAttention 1.14-1.26x
-# at 64 keys (nanoGPT's 12 x 4 heads, d 32), 1.27x for vit-mnist's 50 tokens, 0.96-1.17x at 24-32 keys,
-# 0.82-0.88x at 128. Under torch.compile the gap is larger: inductor fuses ShortAttention's softmax with the
-# ops around it, where the fused kernel stays one opaque call.
+# forward + backward as the model runs it, warm; docs/results.md): in alternating turns the fused kernel over
+# ShortAttention is 1.08x at 64 keys (nanoGPT's 12 x 4 heads, d 32), 1.12x for vit-mnist's 50 tokens, 0.69-0.96x
+# at 24-32 keys with heads of 64, 0.78x at 128; inside the whole training step, where the data comes from memory,
+# ShortAttention wins at 24-32 keys too (the fused kernel's step 1.010-1.016x longer). Under torch.compile the gap
+# is larger: inductor fuses ShortAttention's softmax with the ops around it, where the fused kernel stays one
+# opaque call.
 SHORT_KEYS = 64
 # Head size from which ShortAttention's bf16 inputs take bf16 products (see ShortAttention.product_dtype). Measured
 # by `train_speed.py --attention-products` and nanoGPT's step (docs/results.md, nineteenth #13 session).
