@@ -221,22 +221,38 @@ ATTENTION_SHAPES = {"nanogpt": (12, 4, 64, 32, True), "small": (64, 4, 24, 64, T
                     "keys256": (4, 4, 256, 64, True), "keys512": (2, 4, 512, 64, True)}
 
 
+def self_attention(B, h, T, hd, causal, dtype=torch.float32):
+    """(run, n): one self-attention forward + backward as the model runs it (q, k, v views of one fused
+    projection, the output merged back), and how many calls make about one nanoGPT step's worth per --steps."""
+    qkv = torch.randn(B, T, 3 * h * hd, dtype=dtype, requires_grad=True)
+    grad = torch.randn(B, T, h * hd, dtype=dtype)
+
+    def run():
+        q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=-1))  # (B, h, T, hd)
+        o, _ = attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        o.transpose(1, 2).reshape(B, T, h * hd).backward(grad)
+        qkv.grad = None
+    return run, 40 * 64 * 64 * 48 / (B * h * T * T)
+
+
+def attnlab_shape_steps(args, bf16: bool):
+    """(name, step) for each of ``--shapes``: attnlab's training step on a fresh model, fused AdamW, one batch."""
+    for name in [] if args.shapes == "none" else args.shapes.split(","):
+        s = SHAPES[name]
+        model = build_models(s)["attnlab"]
+        src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
+        yield name, attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, bf16)
+
+
 def attention_table(args) -> dict:
-    """Self-attention forward + backward as the model runs it (q, k, v views of one fused projection,
-    the output merged back), PyTorch's fused kernel against ShortAttention, in turns."""
+    """Self-attention forward + backward as the model runs it (:func:`self_attention`), PyTorch's fused
+    kernel against ShortAttention, in turns."""
     out = {}
     for name, (B, h, T, hd, causal) in ATTENTION_SHAPES.items():
         if args.attention_shapes and name not in args.attention_shapes.split(","):
             continue
-        qkv, grad = torch.randn(B, T, 3 * h * hd, requires_grad=True), torch.randn(B, T, h * hd)
-
-        def run():
-            q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=-1))  # (B, h, T, hd)
-            o, _ = attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            o.transpose(1, 2).reshape(B, T, h * hd).backward(grad)
-            qkv.grad = None
-
-        n = max(3, int(args.steps * 40 * 64 * 64 * 48 / (B * h * T * T)))
+        run, per_step = self_attention(B, h, T, hd, causal)
+        n = max(3, int(args.steps * per_step))
         row = in_turns(run, n, args.rounds, {"fused_ms": lambda: mock.patch.object(attention, "SHORT_KEYS", 0),
                                              "short_ms": lambda T=T: mock.patch.object(attention, "SHORT_KEYS", T)})
         row["fused_over_short"] = round(row["fused_ms"] / row["short_ms"], 2)
@@ -277,11 +293,7 @@ def dropout_table(args) -> dict:
             x.grad = None
         out[name] = row(run, max(3, args.steps * 40))
     for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
-        for name in [] if args.shapes == "none" else args.shapes.split(","):
-            s = SHAPES[name]
-            model = build_models(s)["attnlab"]
-            src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
-            step = attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, bf16)
+        for name, step in attnlab_shape_steps(args, bf16):
             out[f"step {name} {'bf16' if bf16 else 'fp32'}"] = row(step, args.steps)
     return out
 
@@ -295,11 +307,7 @@ def gemm_table(args) -> dict:
         if not accel.onednn_training_gemm_ok():
             return {"skipped": "attnlab's fp32 training products take MKL on this CPU (no AVX-512 for oneDNN)"}
     out = {}
-    for name in [] if args.shapes == "none" else args.shapes.split(","):
-        s = SHAPES[name]
-        model = build_models(s)["attnlab"]
-        src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
-        step = attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, False)
+    for name, step in attnlab_shape_steps(args, False):
         r = in_turns(step, args.steps, args.rounds, paths)
         out[f"step {name} fp32"] = {**r, "mkl_over_onednn": round(r["mkl_ms"] / r["onednn_ms"], 3)}
     return out
@@ -322,23 +330,12 @@ def attention_products_table(args) -> dict:
     for name, (B, h, T, hd, causal) in ATTENTION_SHAPES.items():
         if T > attention.SHORT_KEYS:
             continue
-        qkv = torch.randn(B, T, 3 * h * hd, dtype=torch.bfloat16, requires_grad=True)
-        grad = torch.randn(B, T, h * hd, dtype=torch.bfloat16)
-
-        def run(B=B, h=h, T=T, hd=hd, causal=causal, qkv=qkv, grad=grad):  # as attention_table's, in bf16
-            q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=-1))  # (B, h, T, hd)
-            o, _ = attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            o.transpose(1, 2).reshape(B, T, h * hd).backward(grad)
-            qkv.grad = None
-        r = in_turns(run, max(3, int(args.steps * 40 * 64 * 64 * 48 / (B * h * T * T))), args.rounds, paths)
+        run, per_step = self_attention(B, h, T, hd, causal, torch.bfloat16)
+        r = in_turns(run, max(3, int(args.steps * per_step)), args.rounds, paths)
         out[f"attention {name} B{B} h{h} T{T} hd{hd} bf16"] = {
             **r, "fp32_over_bf16": round(r["fp32_products_ms"] / r["bf16_products_ms"], 3),
             "bf16_products_taken": hd >= attention.BF16_PRODUCTS_MIN_HEAD_DIM}
-    for name in [] if args.shapes == "none" else args.shapes.split(","):
-        s = SHAPES[name]
-        model = build_models(s)["attnlab"]
-        src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
-        step = attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, True)
+    for name, step in attnlab_shape_steps(args, True):
         r = in_turns(step, args.steps, args.rounds, paths)
         out[f"step {name} bf16"] = {**r, "fp32_over_bf16": round(r["fp32_products_ms"] / r["bf16_products_ms"], 3)}
     B, h, T, hd, _ = ATTENTION_SHAPES["large"]
