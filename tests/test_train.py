@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from attnlab import accel
 from attnlab.cli import main
 from attnlab.demo import corpus_dir
 from attnlab.modeldir import atomic_write_text, load
@@ -337,3 +338,40 @@ def test_training_loss_through_the_hidden_states_equals_the_logits_loss(bf16, mo
             assert (have[k] - want[k]).abs().max() <= 1e-2 * want[k].abs().max(), k
         else:
             assert torch.allclose(have[k], want[k], atol=1e-6, rtol=1e-4), k
+
+
+_FAULTS_OF_FREED_BLOCKS = """
+import resource, torch
+from attnlab import accel
+kept = accel.keep_freed_memory()
+faults = []
+for _ in range(8):  # a "step": blocks of 64, 32, 16, 8 and 4 MiB, all freed at its end
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [torch.ones(n << 20) for n in (16, 8, 4, 2, 1)]
+    del blocks
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(kept, sum(faults[3:]))  # the steps after the heap has grown to the step's peak
+"""
+
+
+@pytest.mark.skipif(accel.heap_setting_refused() not in (None, "ATTNLAB_KEEP_FREED_MEMORY=0"),
+                    reason="the C heap setting needs glibc and no preloaded allocator")
+def test_cpu_training_keeps_freed_memory_for_the_next_step(sample, tmp_path, monkeypatch):
+    """A step frees its activations and the next allocates the same sizes again. With the trainer's heap setting
+    (accel.keep_freed_memory) the blocks come back from the heap without a page fault once it has grown to the
+    step's peak; glibc's default (ATTNLAB_KEEP_FREED_MEMORY=0) unmaps or trims them and faults the pages in again
+    (4 KiB pages: ~24,600 a step here; one per 2 MiB where transparent huge pages are always on). And the
+    trainer on CPU asks for the setting."""
+    faults = {}
+    for keep in ("1", "0"):
+        res = subprocess.run([sys.executable, "-c", _FAULTS_OF_FREED_BLOCKS], capture_output=True, text=True,
+                             env={**os.environ, "ATTNLAB_KEEP_FREED_MEMORY": keep}, check=True)
+        kept, n = res.stdout.split()
+        assert kept == ("True" if keep == "1" else "False")
+        faults[keep] = int(n)
+    assert faults["1"] < 64 and faults["0"] >= 5 * 32, faults
+    from attnlab.train import trainer as trainer_mod
+    calls = []
+    monkeypatch.setattr(trainer_mod, "keep_freed_memory", lambda: calls.append(1) or True)
+    assert main(_train_args(sample, tmp_path / "m", 1)) == 0
+    assert calls == [1]

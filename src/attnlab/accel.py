@@ -17,7 +17,8 @@ Switches (environment variables, read at every check, so tests can flip them):
   MKL (plain ``F.linear``);
 * ``ATTNLAB_NO_BF16=1`` — treat the CPU as having no native bf16 (stands in for an AVX2-only CPU:
   ``--bf16`` falls back to fp32, bf16 weights are not packed);
-* ``ATTNLAB_COMPILE=0`` — never ``torch.compile`` the decode step.
+* ``ATTNLAB_COMPILE=0`` — never ``torch.compile`` the decode step;
+* ``ATTNLAB_KEEP_FREED_MEMORY=0`` — leave glibc's malloc at its defaults in training (:func:`keep_freed_memory`).
 
 To measure an AVX2-only CPU on a wider one, :data:`AVX2_ENVIRONMENT` also caps PyTorch's own kernels,
 oneDNN and MKL at AVX2 (variables read when torch loads: set them before starting Python, as the
@@ -28,6 +29,7 @@ benchmarks' ``--as-avx2`` does); :func:`cpu_isa` then says "AVX2 (capped on ...)
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import platform
@@ -60,6 +62,71 @@ def _env_off(name: str) -> bool:
 
 def _env_on(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+# -- the C heap -------------------------------------------------------------------------------------
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+_heap: dict[str, bool] = {}
+
+
+def _glibc():
+    """The process's C library where it is glibc (whose ``mallopt`` the heap setting needs), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc only: musl's mallopt is a no-op
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def heap_setting_refused() -> str | None:
+    """Why :func:`keep_freed_memory` would leave the C heap alone here (None: it would apply); changes nothing."""
+    if _env_off("ATTNLAB_KEEP_FREED_MEMORY"):
+        return "ATTNLAB_KEEP_FREED_MEMORY=0"
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS):
+        return "another allocator is preloaded (LD_PRELOAD)"
+    if _glibc() is None:
+        return "the C library is not glibc"
+    return None
+
+
+def keep_freed_memory() -> bool:
+    """Let the C heap keep what a CPU training step frees, for the next step to reuse (the trainer's setting).
+
+    Why: glibc's malloc serves each block above its mmap threshold (128 KiB, adapting up to 32 MiB) with a
+    fresh ``mmap`` and unmaps it on ``free``, and trims the heap's top back to the kernel. A training step
+    frees every activation it made, so the next step's same-size tensors fault every page in again, zeroed by
+    the kernel: on the small Marian step of benchmarks/train_speed.py that was 26,000-38,000 minor page faults
+    a step and 6-10% of its time (docs/results.md, twentieth session). PyTorch's CPU tuning guide's remedy is a
+    caching allocator (jemalloc or tcmalloc preloaded, as ``torch.backends.xeon.run_cpu`` does); this is the
+    same effect from glibc itself: ``mallopt`` raises the mmap threshold (1 GiB) and the trim threshold
+    (2 GiB), so freed blocks stay in the heap. The cost: memory freed during training is not handed back to
+    the kernel until the process ends, as with PyTorch's CUDA caching allocator, and the heap's fragments can
+    hold more than the default would (the small Marian step's peak RSS: 805 MB either way; a loop of five
+    blocks of 4-64 MiB: 420 MB against 320 MB, tests/test_train.py).
+
+    Process-wide and once; returns whether it applies. Not on a non-glibc C library, not where another
+    allocator is preloaded (``LD_PRELOAD``: it caches already), not with ``ATTNLAB_KEEP_FREED_MEMORY=0``."""
+    if "kept" in _heap:
+        return _heap["kept"]
+    why_not = heap_setting_refused()
+    libc = None if why_not else _glibc()
+    if why_not:
+        pass
+    # a glibc that caps the mmap threshold (older ones: at 32 MiB) refuses 1 GiB; 32 MiB still covers every
+    # activation of a laptop-sized step
+    elif not any(libc.mallopt(_M_MMAP_THRESHOLD, size) for size in (1 << 30, 32 << 20)):
+        why_not = "glibc refused the mmap threshold"
+    elif not libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1):
+        why_not = "glibc refused the trim threshold"
+    _heap["kept"] = why_not is None
+    _once("heap", "the C heap keeps freed memory for reuse (glibc mallopt)" if why_not is None
+          else f"the C heap left at its defaults: {why_not}")
+    return _heap["kept"]
 
 
 # -- the CPU ------------------------------------------------------------------------------------------
@@ -677,7 +744,7 @@ def _is_compile_failure(e: Exception) -> bool:
 
 
 __all__ = ["AVX2_ENVIRONMENT", "restart_capped_at_avx2", "PackedLinear", "accelerate_for_inference",
-           "accelerate_for_training", "TrainingLinear", "linear", "OneDNNLinear", "onednn_product",
+           "accelerate_for_training", "keep_freed_memory", "heap_setting_refused", "TrainingLinear", "linear", "OneDNNLinear", "onednn_product",
            "onednn_training_gemm_ok", "cpu_vendor", "compiled_step", "pick_device", "cpu_flags", "cpu_name",
            "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16", "packed_linear_ok", "onednn_linear_ops",
            "cxx_compiler", "can_compile"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..accel import accelerate_for_training, pick_device, resolve_bf16
+from ..accel import accelerate_for_training, keep_freed_memory, pick_device, resolve_bf16
 from ..model import build_model
 from ..modeldir import atomic_write, save_model_dir, save_task_info, save_weights
 from .options import TrainArgs
@@ -113,6 +113,8 @@ class Trainer:
         self.model = build_model(self.config)
         self.task.init_weights(self.model)
         accelerate_for_training(self.model.to(self.device))  # oneDNN's fp32 GEMMs where they are faster (accel)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # each step reuses the last one's freed activations instead of faulting pages in
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = make_adamw(
