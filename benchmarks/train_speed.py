@@ -3,13 +3,15 @@ attnlab (a copy of the HF model made with ``from_hf``, so the weights are equal)
 ``MarianMTModel`` and ``torch.nn.Transformer`` (PyTorch's translation-tutorial model: embeddings ×√d,
 sinusoidal positions, nn.Transformer, output projection). fp32, and bf16 autocast where the CPU has
 native bf16 (``accel.bf16_native``). Two shapes: d256/4 heads/3+3/d_ff 1024, 64 pairs × 24 tokens; and
-d512/8 heads/6+6/d_ff 2048, 32 × 32. The sides take turns (``--rounds``, each timing ``--steps`` steps; the median
-round is reported). Prints target tokens/s, ratios, the growth of the process's RSS high-water mark (order-dependent: a
-model that needs less than an earlier one shows 0) and the model FLOP utilisation against a matmul
-peak measured in the same run. Each side trains the way its own tool does: attnlab with its trainer's
-loss (the output projection fused with the cross-entropy: no logits tensor), fused AdamW, and its CPU
-dropout; HF and the tutorial with ``nn.CrossEntropyLoss(label_smoothing=0.1)`` on fp32 logits and
-torch's default AdamW.
+d512/8 heads/6+6/d_ff 2048, 32 × 32. Each side runs in a process of its own (class ``Side``) and the sides take
+turns (``--rounds``, each timing ``--steps`` steps after one warm-up step, the order rotating; the median round is
+reported). Prints target tokens/s, ratios, the side's peak RSS over its imports, its minor page faults and system
+time per step, and the model FLOP utilisation against a matmul peak measured in the same run. Each side trains
+the way its own tool does: attnlab with its trainer's loss (the output projection fused with the
+cross-entropy: no logits tensor), fused AdamW, its CPU dropout and its trainer's heap setting (freed memory kept
+for the next step, ``accel.keep_freed_memory``); HF and the tutorial with
+``nn.CrossEntropyLoss(label_smoothing=0.1)`` on fp32 logits, torch's default AdamW and glibc's default heap.
+``--heap kept`` gives every side attnlab's heap setting, ``--heap default`` none of them.
 
 With ``--nanogpt PATH`` (your checkout of karpathy/nanoGPT) it also times nanoGPT's Tiny Shakespeare
 step: nanoGPT's own ``train.py`` with its README's CPU configuration (4 layers, 4 heads, d 128, block
@@ -21,7 +23,7 @@ the ms/iter reported is the median after 10 warm-up iterations, the sides taking
 ``torch.compile`` of the step (nanoGPT's ``--compile=True``, ``attnlab train --compile``), each set against
 nanoGPT's README run and the compiled attnlab sides also against nanoGPT compiled.
 
-    python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2]
+    python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2] [--heap tools|kept|default]
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
     python benchmarks/train_speed.py --attention-products [--shapes small,large] [--rounds 3]  # bf16 vs fp32 products in ShortAttention
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
@@ -115,27 +117,24 @@ def model_flops(s) -> float:
     return 6 * per_token * tokens + 3 * attn
 
 
-def time_steps(step, steps: int) -> float:
-    step()  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - t0) / steps
-
-
-def build_models(s) -> dict:
-    """The three sides, in training mode: HF Marian, attnlab's ``from_hf`` copy of it, the tutorial model."""
+def build_side(s, key: str) -> nn.Module:
+    """One side's model, in training mode: HF Marian (seed 0), attnlab's ``from_hf`` copy of that same model,
+    or the tutorial model (seed 0). Each side process builds only its own."""
     import transformers
     torch.manual_seed(0)
+    if key == "torch_nn_transformer":
+        return TorchSeq2Seq(s).train()
     cfg = transformers.MarianConfig(vocab_size=VOCAB, d_model=s["d"], encoder_layers=s["layers"],
                                     decoder_layers=s["layers"], encoder_attention_heads=s["heads"],
                                     decoder_attention_heads=s["heads"], encoder_ffn_dim=s["ff"], decoder_ffn_dim=s["ff"],
                                     max_position_embeddings=512, pad_token_id=0, eos_token_id=2,
                                     decoder_start_token_id=1, scale_embedding=True)
     hf = transformers.MarianMTModel(cfg).train()
+    if key.startswith("hf_marian"):
+        return hf
     # attnlab's side as its trainer sets a model up (accel.accelerate_for_training: oneDNN's fp32 GEMMs on
     # CPUs where they outrun MKL's)
-    return {"attnlab": accel.accelerate_for_training(from_hf(hf).train()), "hf_marian": hf, "torch_nn_transformer": TorchSeq2Seq(s).train()}
+    return accel.accelerate_for_training(from_hf(hf).train())
 
 
 def make_optimizer(key, model):
@@ -155,42 +154,126 @@ def attnlab_step(model, opt, src, tgt_in, labels, bf16: bool):
     return step
 
 
-def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
-    models = build_models(s)
-    src = torch.randint(4, VOCAB, (s["batch"], s["length"]))
-    tgt_in, labels = torch.randint(4, VOCAB, (s["batch"], s["length"])), torch.randint(4, VOCAB, (s["batch"], s["length"]))
+def peer_step(model, opt, bf16: bool, forward, labels, ignore_pad: bool = False):
+    """A peer's update: its logits in fp32, ``nn.CrossEntropyLoss(label_smoothing=0.1)`` (HF's Trainer and the
+    tutorial), backward, torch's AdamW. ``ignore_pad``: labels equal to 0 (padding) are left out, as HF's -100."""
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
-    forwards = {"torch_nn_transformer": lambda m: m(src, tgt_in),
-                "hf_marian": lambda m: m(input_ids=src, decoder_input_ids=tgt_in).logits}
-    steps, rss = {}, {}
-    for key, model in models.items():
-        opt = make_optimizer(key, model)
-        if key == "attnlab":
-            steps[key] = attnlab_step(model, opt, src, tgt_in, labels, bf16)
-            continue
 
-        def step(key=key, model=model, opt=opt):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                logits = forwards[key](model)
-            # label-smoothed cross-entropy on fp32 logits, as HF's Trainer and the tutorial
-            loss = loss_fn(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
-            loss.backward()
-            opt.step()
-        steps[key] = step
-    times = {key: [] for key in models}
-    for r in range(args.rounds):  # the sides take turns, so the machine's drift reaches all of them
-        for key in models:
-            rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            times[key].append(time_steps(steps[key], args.steps))
-            if r == 0:
-                rss[key] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    def step(*batch):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = forward(model, *batch)
+        y = labels(*batch)
+        loss = loss_fn(logits.float().reshape(-1, VOCAB), (y.masked_fill(y == 0, -100) if ignore_pad else y).reshape(-1))
+        loss.backward()
+        opt.step()
+    return step
+
+
+def shape_side(name: str, key: str, bf16: bool):
+    """(warm-up, timed unit) of one side on one of SHAPES: a step on one random batch (seed 1, the same in
+    every side's process)."""
+    s = SHAPES[name]
+    model = build_side(s, key)
+    torch.manual_seed(1)
+    src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
+    opt = make_optimizer(key, model)
+    if key == "attnlab":
+        step = attnlab_step(model, opt, src, tgt_in, labels, bf16)
+    else:
+        forward = ((lambda m: m(src, tgt_in)) if key == "torch_nn_transformer"
+                   else (lambda m: m(input_ids=src, decoder_input_ids=tgt_in).logits))
+        step = peer_step(model, opt, bf16, forward, lambda: labels)
+    return step, step
+
+
+class Side:
+    """One side of a comparison in a process of its own, timed on request (``time``), so the sides can take
+    turns. Why processes: the C heap's state is per process (glibc's adaptive mmap threshold, what it has
+    trimmed back to the kernel), and in one shared process one side's allocations changed another's page
+    faults; each side also runs with its own tool's heap setting (``--heap``: attnlab's trainer keeps freed
+    memory, accel.keep_freed_memory; HF's Trainer and the tutorial leave glibc's defaults)."""
+
+    def __init__(self, build: str, build_args: tuple, keep_heap: bool, threads: int):
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")  # not fork: torch's and OpenMP's threads do not survive one
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_side_main, args=(child, build, build_args, keep_heap, threads), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def answer(self):
+        status, answer = self.conn.recv()
+        if status == "error":
+            raise SystemExit(f"a side's process failed:\n{answer}")
+        return answer
+
+    def ask(self, *message):
+        self.conn.send(message)
+        return self.answer()
+
+    def close(self):
+        self.conn.send(("stop",))
+        self.proc.join(timeout=60)
+
+
+def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: int):
+    import traceback
+    try:
+        torch.set_num_threads(threads)
+        heap_kept = accel.keep_freed_memory() if keep_heap else False
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # after the imports: torch, transformers
+        warm, unit = globals()[build](*build_args)
+        conn.send(("ok", heap_kept))
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                return
+            _, n = message
+            warm()
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            for _ in range(n):
+                unit()
+            t, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+            conn.send(("ok", {"s": t / n, "minor_faults": (r1.ru_minflt - r0.ru_minflt) / n,
+                              "sys_s": (r1.ru_stime - r0.ru_stime) / n, "peak_rss_MB": (r1.ru_maxrss - base) / 1024}))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dict:
+    """Each of ``keys`` in its own process (:class:`Side`), built with ``build(*build_args(key))``; ``--rounds``
+    rounds of one warm-up and ``n`` timed units each, the order rotating every round (each side takes each place
+    in the order equally often when the rounds are a multiple of the sides). Per side: the rounds' times, page
+    faults and system time per unit, peak RSS over the imports, and whether the heap was kept."""
+    threads = torch.get_num_threads()
+    sides = {key: Side(build, build_args(key), args.heap == "kept" or (args.heap == "tools" and key == "attnlab"),
+                       threads) for key in keys}
+    try:
+        kept = {key: side.answer() for key, side in sides.items()}  # (built: whether its heap is kept)
+        rows = {key: [] for key in keys}
+        for r in range(args.rounds):
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                rows[key].append(sides[key].ask("time", n))
+    finally:
+        for side in sides.values():
+            side.close()
+    return {key: {"s": [x["s"] for x in rows[key]], "minor_faults_per_unit": round(statistics.median(x["minor_faults"] for x in rows[key])),
+                  "sys_ms_per_unit": round(statistics.median(x["sys_s"] for x in rows[key]) * 1e3, 1),
+                  "peak_rss_over_imports_MB": round(max(x["peak_rss_MB"] for x in rows[key])), "heap_kept": kept[key]}
+            for key in keys}
+
+
+def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
+    keys = ["attnlab", "hf_marian", "torch_nn_transformer"]
+    sides = sides_in_turns("shape_side", keys, lambda key: (name, key, bf16), args, args.steps)
     out = {}
-    for key in models:
-        t = statistics.median(times[key])
+    for key in keys:
+        times = sides[key].pop("s")
+        t = statistics.median(times)
         out[key] = {"ms_per_step": round(t * 1e3, 1), "tgt_tokens_per_s": round(s["batch"] * s["length"] / t),
-                    "mfu": round(model_flops(s) / t / peak, 3), "rss_high_water_growth_MB": round(rss[key]),
-                    "ms_per_step_by_round": [round(x * 1e3, 1) for x in times[key]]}
+                    "mfu": round(model_flops(s) / t / peak, 3), **sides[key],
+                    "ms_per_step_by_round": [round(x * 1e3, 1) for x in times]}
     out["attnlab_vs_hf"] = round(out["hf_marian"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
     out["attnlab_vs_torch"] = round(out["torch_nn_transformer"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
     return out
@@ -239,7 +322,7 @@ def attnlab_shape_steps(args, bf16: bool):
     """(name, step) for each of ``--shapes``: attnlab's training step on a fresh model, fused AdamW, one batch."""
     for name in [] if args.shapes == "none" else args.shapes.split(","):
         s = SHAPES[name]
-        model = build_models(s)["attnlab"]
+        model = build_side(s, "attnlab")
         src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
         yield name, attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, bf16)
 
@@ -397,53 +480,54 @@ def corpus_batches(src, tgt, batch: int) -> dict[str, list[list[int]]]:
             [grouped[i:i + batch] for i in range(0, len(grouped), batch)], "torch_nn_transformer": random_batches}
 
 
+def corpus_side(shape: str, key: str, bf16: bool, src, tgt, plan):
+    """(warm-up, timed unit) of one side on real pairs: a step on its first batch, and an epoch over its batches."""
+    from attnlab.data.batching import collate_pairs
+    model = build_side(SHAPES[shape], key)
+    opt = make_optimizer(key, model)
+    batches = [collate_pairs([src[i] for i in b], [tgt[i] for i in b], 0) for b in plan]
+    if key == "attnlab":
+        def step(src_ids, src_mask, tgt_in, labels):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = output_loss(model, model(src_ids, tgt_in, src_mask, hidden_only=True), labels, 0, 0.1)[0]
+            loss.backward()
+            opt.step()
+    elif key == "torch_nn_transformer":
+        step = peer_step(model, opt, bf16, lambda m, src_ids, src_mask, tgt_in, labels: m(src_ids, tgt_in, ~src_mask, tgt_in == 0),
+                         lambda *batch: batch[3], ignore_pad=True)
+    else:
+        step = peer_step(model, opt, bf16, lambda m, src_ids, src_mask, tgt_in, labels: m(
+            input_ids=src_ids, attention_mask=src_mask, decoder_input_ids=tgt_in).logits, lambda *batch: batch[3], ignore_pad=True)
+
+    def epoch():
+        for batch in batches:
+            step(*batch)
+    return (lambda: step(*batches[0])), epoch
+
+
 def run_corpus(s, args, bf16: bool) -> dict:
-    """One epoch over the same pairs per side (real target tokens per second), the sides in turns."""
+    """One epoch over the same pairs per side (real target tokens per second), each side in its own process
+    (:func:`sides_in_turns`), in turns."""
     from attnlab.data.batching import collate_pairs
     src, tgt = corpus_ids(args.corpus, args.pairs)
     plans = corpus_batches(src, tgt, s["batch"])
-    import copy
-    models = build_models(s)
-    models["hf_marian_group_by_length"] = copy.deepcopy(models["hf_marian"])  # the same weights, its own optimizer
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)  # ignore_index -100, HF's label padding
-    data = {key: [collate_pairs([src[i] for i in b], [tgt[i] for i in b], 0) for b in plan] for key, plan in plans.items()}
-
-    def step(key, model, opt, batch):
-        src_ids, src_mask, tgt_in, labels = batch
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            if key == "attnlab":
-                loss = output_loss(model, model(src_ids, tgt_in, src_mask, hidden_only=True), labels, 0, 0.1)[0]
-            elif key == "torch_nn_transformer":
-                logits = model(src_ids, tgt_in, ~src_mask, tgt_in == 0)
-            else:
-                logits = model(input_ids=src_ids, attention_mask=src_mask, decoder_input_ids=tgt_in).logits
-        if key != "attnlab":
-            loss = loss_fn(logits.float().reshape(-1, VOCAB), labels.masked_fill(labels == 0, -100).reshape(-1))
-        loss.backward()
-        opt.step()
-
-    opts = {key: make_optimizer(key, m) for key, m in models.items()}
-    for key in models:  # warm-up: one step on each side's first batch
-        step(key, models[key], opts[key], data[key][0])
-    times = {key: [] for key in models}
-    for _ in range(args.rounds):
-        for key, model in models.items():
-            t0 = time.perf_counter()
-            for batch in data[key]:
-                step(key, model, opts[key], batch)
-            times[key].append(time.perf_counter() - t0)
+    keys = ["attnlab", "hf_marian", "hf_marian_group_by_length", "torch_nn_transformer"]
+    sides = sides_in_turns("corpus_side", keys, lambda key: (args.corpus_shape, key, bf16, src, tgt, plans[key]), args, 1)
     real = sum(len(t) - 1 for t in tgt)  # labels: the target after BOS, EOS included
     out = {"pairs": len(src), "real_target_tokens": real,
            "mean_src_len": round(statistics.mean(len(x) for x in src), 1),
            "mean_tgt_len": round(statistics.mean(len(t) - 1 for t in tgt), 1)}
-    for key in models:
-        t = statistics.median(times[key])
-        padded = sum(b[0].numel() + b[2].numel() for b in data[key])
-        out[key] = {"epoch_s": round(t, 2), "real_tgt_tokens_per_s": round(real / t), "batches": len(data[key]),
+    for key in keys:
+        times = sides[key].pop("s")
+        t = statistics.median(times)
+        batches = [collate_pairs([src[i] for i in b], [tgt[i] for i in b], 0) for b in plans[key]]
+        padded = sum(b[0].numel() + b[2].numel() for b in batches)
+        out[key] = {"epoch_s": round(t, 2), "real_tgt_tokens_per_s": round(real / t), "batches": len(batches),
                     "padding_share": round(1 - (sum(len(x) for x in src) + real) / padded, 3),
-                    "epoch_s_by_round": [round(x, 2) for x in times[key]]}
-    for key in ("hf_marian", "hf_marian_group_by_length", "torch_nn_transformer"):
+                    **{k: v for k, v in sides[key].items() if k != "peak_rss_over_imports_MB"},
+                    "epoch_s_by_round": [round(x, 2) for x in times]}
+    for key in keys[1:]:
         out[f"attnlab_vs_{key}"] = round(out[key]["epoch_s"] / out["attnlab"]["epoch_s"], 2)
     return out
 
@@ -561,6 +645,10 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
+    ap.add_argument("--heap", choices=["tools", "kept", "default"], default="tools",
+                    help="the C heap of each side's process: as each tool runs (attnlab's trainer keeps freed memory, "
+                         "accel.keep_freed_memory; HF's Trainer and the tutorial: glibc's defaults), kept on every side, "
+                         "or glibc's defaults on every side")
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"),
                     help="--nanogpt: folder with Tiny Shakespeare's input.txt(.gz)")
     ap.add_argument("--workdir", default="runs/train_speed")
@@ -572,8 +660,10 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.heap != "default":  # the tables timed in this process are attnlab's alone (its trainer's heap)
+        accel.keep_freed_memory()
     results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(),
-               "torch": torch.__version__}
+               "torch": torch.__version__, "heap": args.heap}
     dtypes = [False] + ([True] if accel.bf16_native("cpu") else [])
     shapes = ([] if args.shapes == "none" or args.dropout or args.gemm or args.attention_products  # (their own steps)
               else args.shapes.split(","))

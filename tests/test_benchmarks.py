@@ -34,6 +34,12 @@ def test_train_speed_runs_one_step():
     row = r["tiny_fp32"]
     assert {"attnlab", "hf_marian", "torch_nn_transformer"} <= set(row)
     assert row["attnlab"]["ms_per_step"] > 0 and row["attnlab_vs_hf"] > 0 and r["matmul_peak_GFLOPs_fp32"] > 0
+    # each side in its own process, with its own tool's heap: attnlab's trainer keeps freed memory (where glibc
+    # allows), the peers run glibc's defaults
+    from attnlab import accel
+    assert row["attnlab"]["heap_kept"] is (accel.heap_setting_refused() is None) and r["heap"] == "tools"
+    assert row["hf_marian"]["heap_kept"] is row["torch_nn_transformer"]["heap_kept"] is False
+    assert row["hf_marian"]["peak_rss_over_imports_MB"] > 0 and row["hf_marian"]["minor_faults_per_unit"] >= 0
 
 
 def test_train_speed_corpus_epoch_runs():
