@@ -100,13 +100,15 @@ def keep_freed_memory() -> bool:
     Why: glibc's malloc serves each block above its mmap threshold (128 KiB, adapting up to 32 MiB) with a
     fresh ``mmap`` and unmaps it on ``free``, and trims the heap's top back to the kernel. A training step
     frees every activation it made, so the next step's same-size tensors fault every page in again, zeroed by
-    the kernel: on the small Marian step of benchmarks/train_speed.py that was 26,000-38,000 minor page faults
-    a step and 6-10% of its time (docs/results.md, twentieth session). PyTorch's CPU tuning guide's remedy is a
-    caching allocator (jemalloc or tcmalloc preloaded, as ``torch.backends.xeon.run_cpu`` does); this is the
-    same effect from glibc itself: ``mallopt`` raises the mmap threshold (1 GiB) and the trim threshold
-    (2 GiB), so freed blocks stay in the heap. The cost: memory freed during training is not handed back to
-    the kernel until the process ends, as with PyTorch's CUDA caching allocator, and the heap's fragments can
-    hold more than the default would (the small Marian step's peak RSS: 805 MB either way; a loop of five
+    the kernel: on the Marian steps of benchmarks/train_speed.py that was 15,000-48,000 minor page faults a
+    step, and the setting made attnlab's small step 1.2x faster in fp32 and 1.3x in bf16, the large bf16 one
+    1.06-1.08x (docs/results.md, twentieth session); where activations are small, nothing measurable.
+    PyTorch's CPU tuning guide's remedy is a caching allocator (jemalloc or tcmalloc preloaded, as
+    ``torch.backends.xeon.run_cpu`` does); this is the same effect from glibc itself: ``mallopt`` raises the
+    mmap threshold (1 GiB) and the trim threshold (2 GiB), so freed blocks stay in the heap. The cost: memory
+    freed during training is not handed back to the kernel until the process ends, as with PyTorch's CUDA
+    caching allocator, and the heap's fragments can hold more than the default would (peak RSS of the
+    Marian steps' processes: attnlab's -7% to +12%, HF's and the tutorial's up to 29% higher; a loop of five
     blocks of 4-64 MiB: 420 MB against 320 MB, tests/test_train.py).
 
     Process-wide and once; returns whether it applies. Not on a non-glibc C library, not where another
