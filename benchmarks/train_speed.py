@@ -194,18 +194,24 @@ class Side:
     faults; each side also runs with its own tool's heap setting (``--heap``: attnlab's trainer keeps freed
     memory, accel.keep_freed_memory; HF's Trainer and the tutorial leave glibc's defaults)."""
 
-    def __init__(self, build: str, build_args: tuple, keep_heap: bool, threads: int):
+    def __init__(self, name: str, build: str, build_args: tuple, keep_heap: bool, threads: int):
         import multiprocessing
         ctx = multiprocessing.get_context("spawn")  # not fork: torch's and OpenMP's threads do not survive one
-        self.conn, child = ctx.Pipe()
+        self.name, (self.conn, child) = name, ctx.Pipe()
         self.proc = ctx.Process(target=_side_main, args=(child, build, build_args, keep_heap, threads), daemon=True)
         self.proc.start()
         child.close()
 
     def answer(self):
-        status, answer = self.conn.recv()
+        """The side's next answer; a side that failed or died is an error that names it (never a wait forever:
+        a dead process's pipe reads as closed)."""
+        try:
+            status, answer = self.conn.recv()
+        except EOFError:
+            self.proc.join(timeout=5)
+            raise SystemExit(f"{self.name}'s process died (exit code {self.proc.exitcode})") from None
         if status == "error":
-            raise SystemExit(f"a side's process failed:\n{answer}")
+            raise SystemExit(f"{self.name}'s process failed:\n{answer}")
         return answer
 
     def ask(self, *message):
@@ -213,8 +219,13 @@ class Side:
         return self.answer()
 
     def close(self):
-        self.conn.send(("stop",))
+        try:
+            self.conn.send(("stop",))
+        except OSError:  # (it has exited already)
+            pass
         self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.terminate()
 
 
 def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: int):
@@ -222,6 +233,7 @@ def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: in
     try:
         torch.set_num_threads(threads)
         heap_kept = accel.keep_freed_memory() if keep_heap else False
+        import transformers  # noqa: F401  (every side imports it before the baseline, the tutorial's too)
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # after the imports: torch, transformers
         warm, unit = globals()[build](*build_args)
         conn.send(("ok", heap_kept))
@@ -247,7 +259,7 @@ def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dic
     in the order equally often when the rounds are a multiple of the sides). Per side: the rounds' times, page
     faults and system time per unit, peak RSS over the imports, and whether the heap was kept."""
     threads = torch.get_num_threads()
-    sides = {key: Side(build, build_args(key), args.heap == "kept" or (args.heap == "tools" and key == "attnlab"),
+    sides = {key: Side(key, build, build_args(key), args.heap == "kept" or (args.heap == "tools" and key == "attnlab"),
                        threads) for key in keys}
     try:
         kept = {key: side.answer() for key, side in sides.items()}  # (built: whether its heap is kept)
@@ -525,7 +537,7 @@ def run_corpus(s, args, bf16: bool) -> dict:
         padded = sum(b[0].numel() + b[2].numel() for b in batches)
         out[key] = {"epoch_s": round(t, 2), "real_tgt_tokens_per_s": round(real / t), "batches": len(batches),
                     "padding_share": round(1 - (sum(len(x) for x in src) + real) / padded, 3),
-                    **{k: v for k, v in sides[key].items() if k != "peak_rss_over_imports_MB"},
+                    **sides[key],
                     "epoch_s_by_round": [round(x, 2) for x in times]}
     for key in keys[1:]:
         out[f"attnlab_vs_{key}"] = round(out[key]["epoch_s"] / out["attnlab"]["epoch_s"], 2)
@@ -582,6 +594,11 @@ def nanogpt_step(args) -> dict:
     iters = max(args.nanogpt_iters, WARMUP_ITERS + 1)
     threads = str(args.threads or torch.get_num_threads())
     env = {**os.environ, "OMP_NUM_THREADS": threads}
+    # --heap: attnlab's trainer keeps freed memory unless switched off; glibc's tunables give nanoGPT the same
+    # setting for --heap kept (the 1 GiB threshold needs glibc >= 2.35)
+    attnlab_env = {**env, "ATTNLAB_KEEP_FREED_MEMORY": "0" if args.heap == "default" else "1"}
+    nanogpt_env = {**env, **({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold="
+                                                 "2147483647"} if args.heap == "kept" else {})}
     attnlab_sides = ["attnlab_fp32"] + (["attnlab_bf16"] if accel.bf16_native("cpu") else [])
     sides = ["nanogpt", *attnlab_sides]
     if args.compile:  # both tools' torch.compile: nanoGPT's --compile=True, attnlab's --compile
@@ -592,7 +609,7 @@ def nanogpt_step(args) -> dict:
             if side.startswith("nanogpt"):
                 flags = [*NANOGPT_CPU_ARGS, "--compile=True"] if side.endswith("compiled") else NANOGPT_CPU_ARGS
                 res = subprocess.run([sys.executable, "train.py", *flags, f"--max_iters={iters - 1}",
-                                      f"--out_dir={(work / 'nanogpt').resolve()}"], cwd=ng, env=env,
+                                      f"--out_dir={(work / 'nanogpt').resolve()}"], cwd=ng, env=nanogpt_env,
                                      capture_output=True, text=True)
                 if res.returncode:
                     raise SystemExit(f"nanoGPT's train.py failed:\n{res.stderr[-2000:]}")
@@ -601,7 +618,7 @@ def nanogpt_step(args) -> dict:
                 res = subprocess.run([sys.executable, "-c", _ATTNLAB_LM_STEP, str(work / "input.txt"),
                                       str(work / side), str(iters), "1" if "bf16" in side else "0", threads,
                                       "1" if side.endswith("compiled") else "0"],
-                                     env=env, capture_output=True, text=True)
+                                     env=attnlab_env, capture_output=True, text=True)
                 if res.returncode:
                     raise SystemExit(f"attnlab's step failed:\n{res.stderr[-2000:]}")
                 ms = json.loads(res.stdout.strip().splitlines()[-1])["ms"]
@@ -646,9 +663,9 @@ def main():
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
     ap.add_argument("--heap", choices=["tools", "kept", "default"], default="tools",
-                    help="the C heap of each side's process: as each tool runs (attnlab's trainer keeps freed memory, "
-                         "accel.keep_freed_memory; HF's Trainer and the tutorial: glibc's defaults), kept on every side, "
-                         "or glibc's defaults on every side")
+                    help="the C heap of each side's process (also --corpus and --nanogpt): as each tool runs (attnlab's "
+                         "trainer keeps freed memory, accel.keep_freed_memory; HF's Trainer, the tutorial and nanoGPT: "
+                         "glibc's defaults), kept on every side, or glibc's defaults on every side")
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"),
                     help="--nanogpt: folder with Tiny Shakespeare's input.txt(.gz)")
     ap.add_argument("--workdir", default="runs/train_speed")

@@ -63,7 +63,23 @@ def test_doctor_reports_paths(capsys):
     import json
     r = json.loads(capsys.readouterr().out)
     assert {"torch", "cpu_flags", "bf16_native_cpu", "packed_linear_bf16", "compile_cpu", "threads",
-            "own_quant_kernels", "own_quant_kernels_compiled", "own_dropout_kernel"} <= set(r)
+            "own_quant_kernels", "own_quant_kernels_compiled", "own_dropout_kernel", "training_heap_refused"} <= set(r)
+
+
+def test_doctor_says_whether_training_keeps_freed_memory(capsys, monkeypatch):
+    from attnlab import accel
+    monkeypatch.setenv("ATTNLAB_KEEP_FREED_MEMORY", "0")
+    assert main(["doctor"]) == 0
+    assert "freed memory, training (CPU)  the C library's default heap: ATTNLAB_KEEP_FREED_MEMORY=0" in capsys.readouterr().out
+    monkeypatch.delenv("ATTNLAB_KEEP_FREED_MEMORY")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
+    assert accel.heap_setting_refused() == "glibc's malloc is set by the environment (MALLOC_*_ or GLIBC_TUNABLES)"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    if accel.heap_setting_refused() is None:  # glibc, nothing preloaded
+        assert main(["doctor"]) == 0
+        assert f"kept in the heap for the next step (glibc {accel.glibc_version()} mallopt)" in capsys.readouterr().out
 
 
 def test_doctor_says_whose_quantised_kernels_run(capsys, monkeypatch):

@@ -68,7 +68,7 @@ def _env_on(name: str) -> bool:
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
-_heap: dict[str, bool] = {}
+_heap: dict[str, int] = {}  # "mmap_threshold": what glibc accepted (0: left alone), once per process
 
 
 def _glibc():
@@ -77,10 +77,16 @@ def _glibc():
         return None
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # glibc only: musl's mallopt is a no-op
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p  # glibc only: musl's mallopt is a no-op
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         return libc
     except (OSError, AttributeError):
         return None
+
+
+def glibc_version() -> str | None:
+    lib = _glibc()
+    return lib.gnu_get_libc_version().decode() if lib is not None else None
 
 
 def heap_setting_refused() -> str | None:
@@ -89,6 +95,9 @@ def heap_setting_refused() -> str | None:
         return "ATTNLAB_KEEP_FREED_MEMORY=0"
     if any(name in os.environ.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS):
         return "another allocator is preloaded (LD_PRELOAD)"
+    if (any(os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"))
+            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")):
+        return "glibc's malloc is set by the environment (MALLOC_*_ or GLIBC_TUNABLES)"
     if _glibc() is None:
         return "the C library is not glibc"
     return None
@@ -101,20 +110,37 @@ def keep_freed_memory() -> bool:
     fresh ``mmap`` and unmaps it on ``free``, and trims the heap's top back to the kernel. A training step
     frees every activation it made, so the next step's same-size tensors fault every page in again, zeroed by
     the kernel: on the Marian steps of benchmarks/train_speed.py that was 15,000-48,000 minor page faults a
-    step, and the setting made attnlab's small step 1.2x faster in fp32 and 1.3x in bf16, the large bf16 one
-    1.06-1.08x (docs/results.md, twentieth session); where activations are small, nothing measurable.
+    step, and attnlab's small step ran 1.15-1.21x faster in fp32 with the setting and 1.09-1.30x in bf16, the
+    large bf16 one 1.06-1.08x (runs of docs/results.md's twentieth session, drift included); where the
+    activations are small, nothing measurable.
     PyTorch's CPU tuning guide's remedy is a caching allocator (jemalloc or tcmalloc preloaded, as
     ``torch.backends.xeon.run_cpu`` does); this is the same effect from glibc itself: ``mallopt`` raises the
-    mmap threshold (1 GiB) and the trim threshold (2 GiB), so freed blocks stay in the heap. The cost: memory
+    mmap threshold (1 GiB; 32 MiB on glibc before 2.35, which caps it) and the trim threshold (2 GiB), so freed
+    blocks stay in the heap. The cost: memory
     freed during training is not handed back to the kernel until the process ends, as with PyTorch's CUDA
     caching allocator, and the heap's fragments can hold more than the default would (peak RSS of the
     Marian steps' processes: attnlab's -7% to +12%, HF's and the tutorial's up to 29% higher; a loop of five
-    blocks of 4-64 MiB: 420 MB against 320 MB, tests/test_train.py).
+    blocks of 4-64 MiB, the pattern of tests/test_train.py's check: 420 MB against 320 MB, measured ad hoc).
 
-    Process-wide and once; returns whether it applies. Not on a non-glibc C library, not where another
-    allocator is preloaded (``LD_PRELOAD``: it caches already), not with ``ATTNLAB_KEEP_FREED_MEMORY=0``."""
-    if "kept" in _heap:
-        return _heap["kept"]
+    Process-wide and for good (the trainer calls it; a notebook that trains keeps the setting after); once;
+    returns whether it applies. Not on a non-glibc C library, not where another allocator is preloaded
+    (``LD_PRELOAD``: it caches already), not where the environment sets glibc's malloc (``MALLOC_*_``,
+    ``GLIBC_TUNABLES``), not with ``ATTNLAB_KEEP_FREED_MEMORY=0``."""
+    if "mmap_threshold" not in _heap:
+        why_not, threshold = heap_setting_refused(), 0
+        if why_not is None:
+            libc = _glibc()
+            # glibc before 2.35 caps the mmap threshold at 32 MiB and refuses 1 GiB: blocks of 32 MiB or more
+            # (a large vocabulary's logits) are then still unmapped on free
+            threshold = next((size for size in (1 << 30, 32 << 20) if libc.mallopt(_M_MMAP_THRESHOLD, size)), 0)
+            if not threshold:
+                why_not = "glibc refused the mmap threshold"
+            elif not libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1):
+                why_not = "glibc refused the trim threshold"
+        _heap["mmap_threshold"] = threshold if why_not is None else 0
+        _once("heap", f"the C heap keeps freed memory for reuse (glibc mallopt, mmap threshold {threshold >> 20} MiB)"
+              if why_not is None else f"the C heap left at its defaults: {why_not}")
+    return _heap["mmap_threshold"] > 0
     why_not = heap_setting_refused()
     libc = None if why_not else _glibc()
     if why_not:
@@ -746,7 +772,7 @@ def _is_compile_failure(e: Exception) -> bool:
 
 
 __all__ = ["AVX2_ENVIRONMENT", "restart_capped_at_avx2", "PackedLinear", "accelerate_for_inference",
-           "accelerate_for_training", "keep_freed_memory", "heap_setting_refused", "TrainingLinear", "linear", "OneDNNLinear", "onednn_product",
+           "accelerate_for_training", "keep_freed_memory", "heap_setting_refused", "glibc_version", "TrainingLinear", "linear", "OneDNNLinear", "onednn_product",
            "onednn_training_gemm_ok", "cpu_vendor", "compiled_step", "pick_device", "cpu_flags", "cpu_name",
            "cpu_isa", "cpu_bf16_native", "bf16_native", "resolve_bf16", "packed_linear_ok", "onednn_linear_ops",
            "cxx_compiler", "can_compile"]

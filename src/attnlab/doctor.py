@@ -13,7 +13,7 @@ import torch
 
 from . import quant
 from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
-                    heap_setting_refused, onednn_linear_ops, onednn_training_gemm_ok, packed_linear_ok)
+                    glibc_version, heap_setting_refused, onednn_linear_ops, onednn_training_gemm_ok, packed_linear_ok)
 from .model.layers import fused_dropout
 
 
@@ -47,6 +47,7 @@ def report() -> dict:
         "own_quant_kernels_compiled": quant.own_kernels_in_compiled_step(),
         "own_dropout_kernel": fused_dropout(),  # (the same: built on first use)
         "training_heap_refused": heap_setting_refused(),  # None: training keeps freed memory (accel.keep_freed_memory)
+        "glibc": glibc_version(),
         "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE",
                                                 "ATTNLAB_OWN_KERNELS", "ATTNLAB_QUANT_KERNELS", "ATTNLAB_KEEP_FREED_MEMORY")
                      if k in os.environ},
@@ -83,9 +84,9 @@ def doctor_text(r: dict | None = None) -> str:
         f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}",
         f"  --quantize, decoding (CPU)    {_quantised_path(r)}",
         f"  dropout, training (CPU)       {dropout_path}",
-        "  freed memory, training (CPU)  " + ("kept in the heap for the next step (glibc mallopt)"
+        "  freed memory, training (CPU)  " + (f"kept in the heap for the next step (glibc {r['glibc']} mallopt)"
                                              if r["training_heap_refused"] is None
-                                             else f"returned to the kernel: {r['training_heap_refused']}"),
+                                             else f"the C library's default heap: {r['training_heap_refused']}"),
         f"  oneDNN ops in this build      {yes[r['onednn']]}",
     ]
     if r["switches"]:
