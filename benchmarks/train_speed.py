@@ -143,15 +143,22 @@ def make_optimizer(key, model):
     return (make_adamw if key == "attnlab" else torch.optim.AdamW)(model.parameters(), lr=1e-4)
 
 
-def attnlab_step(model, opt, src, tgt_in, labels, bf16: bool):
-    """attnlab's update: the trainer's loss (train.tasks.base: projection and loss fused, no logits)."""
-    def step():
+def attnlab_update(model, opt, bf16: bool, pad: int | None = None):
+    """attnlab's update on one batch: the trainer's loss (train.tasks.base: projection and loss fused, no
+    logits). ``pad``: the label id left out of the loss (None: every label counts)."""
+    def step(src, tgt_in, labels, src_mask=None):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = output_loss(model, model(src, tgt_in, hidden_only=True), labels, None, 0.1)[0]
+            loss = output_loss(model, model(src, tgt_in, src_mask, hidden_only=True), labels, pad, 0.1)[0]
         loss.backward()
         opt.step()
     return step
+
+
+def attnlab_step(model, opt, src, tgt_in, labels, bf16: bool):
+    """attnlab's update on one fixed batch (the step tables)."""
+    update = attnlab_update(model, opt, bf16)
+    return lambda: update(src, tgt_in, labels)
 
 
 def peer_step(model, opt, bf16: bool, forward, labels, ignore_pad: bool = False):
@@ -499,12 +506,10 @@ def corpus_side(shape: str, key: str, bf16: bool, src, tgt, plan):
     opt = make_optimizer(key, model)
     batches = [collate_pairs([src[i] for i in b], [tgt[i] for i in b], 0) for b in plan]
     if key == "attnlab":
+        update = attnlab_update(model, opt, bf16, pad=0)
+
         def step(src_ids, src_mask, tgt_in, labels):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = output_loss(model, model(src_ids, tgt_in, src_mask, hidden_only=True), labels, 0, 0.1)[0]
-            loss.backward()
-            opt.step()
+            update(src_ids, tgt_in, labels, src_mask)
     elif key == "torch_nn_transformer":
         step = peer_step(model, opt, bf16, lambda m, src_ids, src_mask, tgt_in, labels: m(src_ids, tgt_in, ~src_mask, tgt_in == 0),
                          lambda *batch: batch[3], ignore_pad=True)

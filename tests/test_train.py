@@ -350,7 +350,7 @@ for _ in range(8):  # a "step": blocks of 64, 32, 16, 8 and 4 MiB, all freed at 
     blocks = [torch.ones(n << 20) for n in (16, 8, 4, 2, 1)]
     del blocks
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(kept, accel._heap["mmap_threshold"], sum(faults[3:]))  # the steps after the heap has grown to the step's peak
+print(kept, accel._kept_mmap_threshold(), sum(faults[3:]))  # the steps after the heap has grown to the step's peak
 """
 
 

@@ -68,9 +68,9 @@ def _env_on(name: str) -> bool:
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
-_heap: dict[str, int] = {}  # "mmap_threshold": what glibc accepted (0: left alone), once per process
 
 
+@lru_cache(maxsize=1)
 def _glibc():
     """The process's C library where it is glibc (whose ``mallopt`` the heap setting needs), else None."""
     if not sys.platform.startswith("linux"):
@@ -126,35 +126,25 @@ def keep_freed_memory() -> bool:
     returns whether it applies. Not on a non-glibc C library, not where another allocator is preloaded
     (``LD_PRELOAD``: it caches already), not where the environment sets glibc's malloc (``MALLOC_*_``,
     ``GLIBC_TUNABLES``), not with ``ATTNLAB_KEEP_FREED_MEMORY=0``."""
-    if "mmap_threshold" not in _heap:
-        why_not, threshold = heap_setting_refused(), 0
-        if why_not is None:
-            libc = _glibc()
-            # glibc before 2.35 caps the mmap threshold at 32 MiB and refuses 1 GiB: blocks of 32 MiB or more
-            # (a large vocabulary's logits) are then still unmapped on free
-            threshold = next((size for size in (1 << 30, 32 << 20) if libc.mallopt(_M_MMAP_THRESHOLD, size)), 0)
-            if not threshold:
-                why_not = "glibc refused the mmap threshold"
-            elif not libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1):
-                why_not = "glibc refused the trim threshold"
-        _heap["mmap_threshold"] = threshold if why_not is None else 0
-        _once("heap", f"the C heap keeps freed memory for reuse (glibc mallopt, mmap threshold {threshold >> 20} MiB)"
-              if why_not is None else f"the C heap left at its defaults: {why_not}")
-    return _heap["mmap_threshold"] > 0
-    why_not = heap_setting_refused()
-    libc = None if why_not else _glibc()
-    if why_not:
-        pass
-    # a glibc that caps the mmap threshold (older ones: at 32 MiB) refuses 1 GiB; 32 MiB still covers every
-    # activation of a laptop-sized step
-    elif not any(libc.mallopt(_M_MMAP_THRESHOLD, size) for size in (1 << 30, 32 << 20)):
-        why_not = "glibc refused the mmap threshold"
-    elif not libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1):
-        why_not = "glibc refused the trim threshold"
-    _heap["kept"] = why_not is None
-    _once("heap", "the C heap keeps freed memory for reuse (glibc mallopt)" if why_not is None
-          else f"the C heap left at its defaults: {why_not}")
-    return _heap["kept"]
+    return _kept_mmap_threshold() > 0
+
+
+@lru_cache(maxsize=1)
+def _kept_mmap_threshold() -> int:
+    """:func:`keep_freed_memory`'s work, once per process: the mmap threshold glibc accepted (0: heap left alone)."""
+    why_not, threshold = heap_setting_refused(), 0
+    if why_not is None:
+        libc = _glibc()
+        # glibc before 2.35 caps the mmap threshold at 32 MiB and refuses 1 GiB: blocks of 32 MiB or more
+        # (a large vocabulary's logits) are then still unmapped on free
+        threshold = next((size for size in (1 << 30, 32 << 20) if libc.mallopt(_M_MMAP_THRESHOLD, size)), 0)
+        if not threshold:
+            why_not = "glibc refused the mmap threshold"
+        elif not libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1):
+            why_not = "glibc refused the trim threshold"
+    _once("heap", f"the C heap keeps freed memory for reuse (glibc mallopt, mmap threshold {threshold >> 20} MiB)"
+          if why_not is None else f"the C heap left at its defaults: {why_not}")
+    return threshold if why_not is None else 0
 
 
 # -- the CPU ------------------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ class ShortAttention(torch.autograd.Function):
     fp32 products (of the bf16 values, exact in fp32), and so are the softmax and dS. With heads of 64 or more
     on a CPU with native bf16 (:meth:`product_dtype`) the four products whose results are rounded to bf16
     anyway (P·V and the gradients of q, k, v) take bf16 operands: P and dS·scale are rounded to bf16 first, as
-    FlashAttention-2 rounds them on GPUs. Inside a training step that is 3.5-4% of it; the result's error stays
+    FlashAttention-2 rounds them on GPUs. With the trainer's heap the attention alone runs 1.1-1.35x faster so,
+    and the whole step within the noise (±3%; 3.5-4% faster with glibc's default heap); the result's error stays
     near bf16's own rounding (measured against float64: docs/results.md). Otherwise all six are fp32 products.
     """
 
@@ -176,7 +177,8 @@ class ShortAttention(torch.autograd.Function):
     def product_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
         """The operands' dtype for P·V and the three input gradients: bf16 for bf16 inputs with heads of 64 or
         more on a CPU with native bf16, else :meth:`compute_dtype`. (Measured on whole training steps, in
-        alternating turns: 3.5-4% faster with heads of 64, the Marian shapes of train_speed.py; nothing gained
+        alternating turns: 3.5-4% faster with heads of 64, the Marian shapes of train_speed.py, with glibc's
+        default heap, and 0.97-1.03x with the trainer's (docs/results.md, twentieth #13 session); nothing gained
         with nanoGPT's heads of 32 (1.009x), which so keep the more exact fp32 products. Without native bf16
         the bf16 products are emulated.)"""
         if (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.shape[-1] >= BF16_PRODUCTS_MIN_HEAD_DIM
