@@ -11,7 +11,11 @@ the way its own tool does: attnlab with its trainer's loss (the output projectio
 cross-entropy: no logits tensor), fused AdamW, its CPU dropout and its trainer's heap setting (freed memory kept
 for the next step, ``accel.keep_freed_memory``); HF and the tutorial with
 ``nn.CrossEntropyLoss(label_smoothing=0.1)`` on fp32 logits, torch's default AdamW and glibc's default heap.
-``--heap kept`` gives every side attnlab's heap setting, ``--heap default`` none of them.
+``--heap kept`` gives every side attnlab's heap setting, ``--heap default`` none of them. ``--profile`` then
+profiles each side's step (``profile_units``): its self time in matrix products (GEMMs, which run near the matmul
+peak on every side), in PyTorch's fused attention, and its costliest operators; and the bound on attnlab's lead
+were everything but its products free (``attnlab_vs_hf_if_only_products``) and were its products at the peak too
+(``attnlab_vs_hf_at_peak``, 1 / HF's MFU). ``--nanogpt`` with ``--profile`` profiles attnlab's eager updates.
 
 With ``--nanogpt PATH`` (your checkout of karpathy/nanoGPT) it also times nanoGPT's Tiny Shakespeare
 step: nanoGPT's own ``train.py`` with its README's CPU configuration (4 layers, 4 heads, d 128, block
@@ -23,7 +27,7 @@ the ms/iter reported is the median after 10 warm-up iterations, the sides taking
 ``torch.compile`` of the step (nanoGPT's ``--compile=True``, ``attnlab train --compile``), each set against
 nanoGPT's README run and the compiled attnlab sides also against nanoGPT compiled.
 
-    python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2] [--heap tools|kept|default]
+    python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2] [--heap tools|kept|default] [--profile]
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
     python benchmarks/train_speed.py --attention-products [--shapes small,large] [--rounds 3]  # bf16 vs fp32 products in ShortAttention
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
@@ -194,6 +198,36 @@ def shape_side(name: str, key: str, bf16: bool):
     return step, step
 
 
+# the operators that are matrix products (GEMMs): what this CPU's BLAS (MKL, oneDNN) runs at close to its peak
+PRODUCT_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+               "mkldnn::_linear_pointwise", "aten::mkldnn_linear", "aten::_mkldnn_linear_backward_weights"}
+
+
+def profile_units(unit, n: int) -> dict:
+    """``n`` calls of ``unit`` under torch.profiler: per call, the wall time, the self time of the matrix products
+    (:data:`PRODUCT_OPS`), of PyTorch's fused attention kernels (``aten::_scaled_dot_product_*``, their products
+    inside) and the costliest operators. Why: the products run near the matmul peak on every side, so a step can
+    be no faster than its products alone; what a tool can still win is the rest."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            unit()
+        wall = time.perf_counter() - t0
+    products = fused_attention = 0.0
+    ops = []
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / n
+        if event.key in PRODUCT_OPS:
+            products += ms
+        elif event.key.startswith(("aten::_scaled_dot_product", "aten::_flash_attention")):
+            fused_attention += ms
+        ops.append((ms, event.key))
+    return {"profiled_ms": round(wall / n * 1e3, 1), "products_ms": round(products, 1),
+            "fused_attention_ms": round(fused_attention, 1),
+            "top_ops_ms": {key: round(ms, 1) for ms, key in sorted(ops, reverse=True)[:6]}}
+
+
 class Side:
     """One side of a comparison in a process of its own, timed on request (``time``), so the sides can take
     turns. Why processes: the C heap's state is per process (glibc's adaptive mmap threshold, what it has
@@ -248,6 +282,10 @@ def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: in
             message = conn.recv()
             if message[0] == "stop":
                 return
+            if message[0] == "profile":
+                warm()
+                conn.send(("ok", profile_units(unit, message[1])))
+                continue
             _, n = message
             warm()
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -274,12 +312,14 @@ def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dic
         for r in range(args.rounds):
             for key in keys[r % len(keys):] + keys[:r % len(keys)]:
                 rows[key].append(sides[key].ask("time", n))
+        profiles = {key: sides[key].ask("profile", n) for key in keys} if getattr(args, "profile", False) else {}
     finally:
         for side in sides.values():
             side.close()
     return {key: {"s": [x["s"] for x in rows[key]], "minor_faults_per_unit": round(statistics.median(x["minor_faults"] for x in rows[key])),
                   "sys_ms_per_unit": round(statistics.median(x["sys_s"] for x in rows[key]) * 1e3, 1),
-                  "peak_rss_over_imports_MB": round(max(x["peak_rss_MB"] for x in rows[key])), "heap_kept": kept[key]}
+                  "peak_rss_over_imports_MB": round(max(x["peak_rss_MB"] for x in rows[key])), "heap_kept": kept[key],
+                  **({"profile": profiles[key]} if key in profiles else {})}
             for key in keys}
 
 
@@ -295,6 +335,13 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
                     "ms_per_step_by_round": [round(x * 1e3, 1) for x in times]}
     out["attnlab_vs_hf"] = round(out["hf_marian"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
     out["attnlab_vs_torch"] = round(out["torch_nn_transformer"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
+    if args.profile:
+        # the most attnlab's step could lead by: were everything but its matrix products free (its products as
+        # fast as they ran in its own step), and were its products at the matmul peak too (1 / the peer's MFU)
+        products = out["attnlab"]["profile"]["products_ms"]
+        for peer, short in (("hf_marian", "hf"), ("torch_nn_transformer", "torch")):
+            out[f"attnlab_vs_{short}_if_only_products"] = round(out[peer]["ms_per_step"] / products, 2)
+            out[f"attnlab_vs_{short}_at_peak"] = round(1 / out[peer]["mfu"], 2)
     return out
 
 
@@ -578,7 +625,12 @@ for _ in range(iters):
     t1 = time.time()
     times.append(t1 - t0)
     t0 = t1
-print(json.dumps({"ms": [round(t * 1e3, 3) for t in times], "bf16": trainer.bf16}))
+profiled = {}
+if len(sys.argv) > 7 and int(sys.argv[7]):  # --profile: the products' share of the update (train_speed.profile_units)
+    sys.path.insert(0, sys.argv[8])
+    from train_speed import profile_units
+    profiled = profile_units(lambda: trainer._update(1e-3), int(sys.argv[7]))
+print(json.dumps({"ms": [round(t * 1e3, 3) for t in times], "bf16": trainer.bf16, "profile": profiled}))
 """
 
 
@@ -609,6 +661,7 @@ def nanogpt_step(args) -> dict:
     if args.compile:  # both tools' torch.compile: nanoGPT's --compile=True, attnlab's --compile
         sides += ["nanogpt_compiled", *(f"{side}_compiled" for side in attnlab_sides)]
     samples = {side: [] for side in sides}
+    profiles = {}  # --profile: attnlab's eager sides, one profile per round
     for _ in range(args.rounds):
         for side in sides:
             if side.startswith("nanogpt"):
@@ -622,11 +675,16 @@ def nanogpt_step(args) -> dict:
             else:
                 res = subprocess.run([sys.executable, "-c", _ATTNLAB_LM_STEP, str(work / "input.txt"),
                                       str(work / side), str(iters), "1" if "bf16" in side else "0", threads,
-                                      "1" if side.endswith("compiled") else "0"],
+                                      "1" if side.endswith("compiled") else "0",
+                                      str(20 if args.profile and not side.endswith("compiled") else 0),
+                                      str(Path(__file__).resolve().parent)],
                                      env=attnlab_env, capture_output=True, text=True)
                 if res.returncode:
                     raise SystemExit(f"attnlab's step failed:\n{res.stderr[-2000:]}")
-                ms = json.loads(res.stdout.strip().splitlines()[-1])["ms"]
+                answer = json.loads(res.stdout.strip().splitlines()[-1])
+                ms = answer["ms"]
+                if answer["profile"]:
+                    profiles.setdefault(side, []).append(answer["profile"])
             if len(ms) < iters:
                 raise SystemExit(f"{side}: {len(ms)} iterations timed, {iters} expected")
             samples[side].extend(ms[WARMUP_ITERS:])  # iteration 0 of nanoGPT includes its one evaluation
@@ -642,6 +700,12 @@ def nanogpt_step(args) -> dict:
             peers = ["nanogpt"] + (["nanogpt_compiled"] if side.endswith("compiled") else [])
             for peer in peers:
                 out[f"{side}_over_{peer}"] = round(out[side]["ms_per_iter_median"] / out[peer]["ms_per_iter_median"], 3)
+    for side, rounds in profiles.items():
+        # the round with the median products time; the lowest ratio attnlab could reach were everything but its
+        # matrix products free
+        profile = sorted(rounds, key=lambda p: p["products_ms"])[len(rounds) // 2]
+        out[side]["profile"] = profile
+        out[f"{side}_over_nanogpt_if_only_products"] = round(profile["products_ms"] / out["nanogpt"]["ms_per_iter_median"], 3)
     return out
 
 
@@ -667,6 +731,10 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed rounds, profile each side's step (the step tables; --nanogpt: attnlab's "
+                         "eager sides): its time in matrix products, in fused attention and the costliest operators, "
+                         "and the ratio attnlab would reach were everything but its products free")
     ap.add_argument("--heap", choices=["tools", "kept", "default"], default="tools",
                     help="the C heap of each side's process (also --corpus and --nanogpt): as each tool runs (attnlab's "
                          "trainer keeps freed memory, accel.keep_freed_memory; HF's Trainer, the tutorial and nanoGPT: "

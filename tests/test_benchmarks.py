@@ -42,6 +42,25 @@ def test_train_speed_runs_one_step():
     assert row["hf_marian"]["peak_rss_over_imports_MB"] > 0 and "minor_faults_per_unit" in row["hf_marian"]
 
 
+def test_train_speed_profile_splits_each_step():
+    """train_speed.py --profile: each side's step profiled in its own process after the timed rounds; its matrix
+    products' time is part of the profiled step, its costliest operators fit inside it, and the bounds on attnlab's
+    lead follow from the peers' times and MFUs."""
+    pytest.importorskip("transformers")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--steps", "2", "--shapes",
+                          "tiny", "--threads", "1", "--peak-size", "256", "--rounds", "1", "--profile"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    row = json.loads(res.stdout.strip().splitlines()[-1])["tiny_fp32"]
+    for key in ("attnlab", "hf_marian", "torch_nn_transformer"):
+        p = row[key]["profile"]
+        assert 0 < p["products_ms"] < p["profiled_ms"], (key, p)
+        assert len(p["top_ops_ms"]) == 6 and sum(p["top_ops_ms"].values()) <= p["profiled_ms"] * 1.05, (key, p)
+    products = row["attnlab"]["profile"]["products_ms"]
+    assert row["attnlab_vs_hf_if_only_products"] == round(row["hf_marian"]["ms_per_step"] / products, 2)
+    assert row["attnlab_vs_torch_at_peak"] == round(1 / row["torch_nn_transformer"]["mfu"], 2)
+
+
 def test_train_speed_corpus_epoch_runs():
     """train_speed.py --corpus: an epoch of the shipped pairs per side, the same number of batches of the
     same size; attnlab's length buckets leave less padding than HF's random batches (sorting cannot add any)."""
