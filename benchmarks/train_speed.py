@@ -17,6 +17,11 @@ peak on every side), in PyTorch's fused attention, and its costliest operators; 
 were everything but its products free (``attnlab_vs_hf_if_only_products``) and were its products at the peak too
 (``attnlab_vs_hf_at_peak``, 1 / HF's MFU). ``--nanogpt`` with ``--profile`` profiles attnlab's eager updates.
 
+``--device cuda`` (or ``mps``) runs the step tables on a GPU (the models built on the CPU, so the weights are
+still equal, then moved; the clocks read after the GPU's queue has run; the peak GPU memory per side; the MFU
+against a square matmul on the GPU; with ``--profile`` the operators' GPU time); ``--dtype fp32|bf16`` one
+precision only. The other tables are CPU tables.
+
 With ``--nanogpt PATH`` (your checkout of karpathy/nanoGPT) it also times nanoGPT's Tiny Shakespeare
 step: nanoGPT's own ``train.py`` with its README's CPU configuration (4 layers, 4 heads, d 128, block
 64, batch 12, dropout 0, fp32) against ``attnlab train``'s update with the same model and recipe
@@ -29,6 +34,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2] [--heap tools|kept|default] [--profile]
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
+    PYTHONPATH=src python3 benchmarks/train_speed.py --device cuda --dtype bf16 --steps 20 --rounds 3 --profile  # a GPU
     python benchmarks/train_speed.py --attention-products [--shapes small,large] [--rounds 3]  # bf16 vs fp32 products in ShortAttention
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
     python benchmarks/train_speed.py --shapes none --corpus [PAIRS.tsv] [--pairs 1024] [--rounds 3]
@@ -90,13 +96,21 @@ class TorchSeq2Seq(nn.Module):
                                 tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad))
 
 
-def matmul_peak(dtype, n: int = 2048) -> float:
-    """FLOP/s of a large square matmul on this machine, now (the roofline the MFU is measured against):
+def synchronize() -> None:
+    """Wait for the GPU's queued work (a GPU's calls return before it has run them): before reading a clock."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        torch.mps.synchronize()
+
+
+def matmul_peak(dtype, n: int = 2048, device: str = "cpu") -> float:
+    """FLOP/s of a large square matmul on ``device``, now (the roofline the MFU is measured against): on CPU
     the faster of PyTorch's ``mm`` (MKL in fp32 on x86) and oneDNN's linear, where this build has it
     (attnlab's fp32 training products take oneDNN's on AVX-512 CPUs, where it can be the faster)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     products = [lambda: a @ b]
-    if accel.onednn_linear_ops():
+    if accel.onednn_linear_ops() and torch.device(device).type == "cpu":
         products.append(lambda: accel.onednn_product(a, b))
     best = float("inf")
     for product in products:
@@ -105,9 +119,11 @@ def matmul_peak(dtype, n: int = 2048) -> float:
         except RuntimeError:  # (oneDNN's linear in a dtype this CPU cannot run: MKL's peak alone)
             continue
         for _ in range(3):  # the best of three: a peak, not a sample of the machine's noise
+            synchronize()
             t0 = time.perf_counter()
             for _ in range(5):
                 product()
+            synchronize()
             best = min(best, time.perf_counter() - t0)
     return 5 * 2 * n ** 3 / best
 
@@ -121,9 +137,14 @@ def model_flops(s) -> float:
     return 6 * per_token * tokens + 3 * attn
 
 
-def build_side(s, key: str) -> nn.Module:
-    """One side's model, in training mode: HF Marian (seed 0), attnlab's ``from_hf`` copy of that same model,
-    or the tutorial model (seed 0). Each side process builds only its own."""
+def build_side(s, key: str, device: str = "cpu") -> nn.Module:
+    """One side's model, in training mode, on ``device``: HF Marian (seed 0), attnlab's ``from_hf`` copy of that
+    same model, or the tutorial model (seed 0); built on the CPU, so the weights are the same on every device.
+    Each side process builds only its own."""
+    return _build_side(s, key).to(device)
+
+
+def _build_side(s, key: str) -> nn.Module:
     import transformers
     torch.manual_seed(0)
     if key == "torch_nn_transformer":
@@ -152,7 +173,7 @@ def attnlab_update(model, opt, bf16: bool, pad: int | None = None):
     logits). ``pad``: the label id left out of the loss (None: every label counts)."""
     def step(src, tgt_in, labels, src_mask=None):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(src.device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = output_loss(model, model(src, tgt_in, src_mask, hidden_only=True), labels, pad, 0.1)[0]
         loss.backward()
         opt.step()
@@ -172,7 +193,7 @@ def peer_step(model, opt, bf16: bool, forward, labels, ignore_pad: bool = False)
 
     def step(*batch):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = forward(model, *batch)
         y = labels(*batch)
         loss = loss_fn(logits.float().reshape(-1, VOCAB), (y.masked_fill(y == 0, -100) if ignore_pad else y).reshape(-1))
@@ -181,13 +202,13 @@ def peer_step(model, opt, bf16: bool, forward, labels, ignore_pad: bool = False)
     return step
 
 
-def shape_side(name: str, key: str, bf16: bool):
+def shape_side(name: str, key: str, bf16: bool, device: str = "cpu"):
     """(warm-up, timed unit) of one side on one of SHAPES: a step on one random batch (seed 1, the same in
-    every side's process)."""
+    every side's process), on ``device``."""
     s = SHAPES[name]
-    model = build_side(s, key)
+    model = build_side(s, key, device)
     torch.manual_seed(1)
-    src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
+    src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])).to(device) for _ in range(3))
     opt = make_optimizer(key, model)
     if key == "attnlab":
         step = attnlab_step(model, opt, src, tgt_in, labels, bf16)
@@ -209,15 +230,18 @@ def profile_units(unit, n: int) -> dict:
     inside) and the costliest operators. Why: the products run near the matmul peak on every side, so a step can
     be no faster than its products alone; what a tool can still win is the rest."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()  # then the operators' time on the GPU
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        synchronize()
         t0 = time.perf_counter()
         for _ in range(n):
             unit()
+        synchronize()
         wall = time.perf_counter() - t0
     products = fused_attention = 0.0
     ops = []
     for event in prof.key_averages():
-        ms = event.self_cpu_time_total / 1e3 / n
+        ms = (event.self_device_time_total if gpu else event.self_cpu_time_total) / 1e3 / n
         if event.key in PRODUCT_OPS:
             products += ms
         elif event.key.startswith(("aten::_scaled_dot_product", "aten::_flash_attention")):
@@ -288,12 +312,18 @@ def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: in
                 continue
             _, n = message
             warm()
+            gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
+            synchronize()
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             for _ in range(n):
                 unit()
+            synchronize()
             t, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
             conn.send(("ok", {"s": t / n, "minor_faults": (r1.ru_minflt - r0.ru_minflt) / n,
-                              "sys_s": (r1.ru_stime - r0.ru_stime) / n, "peak_rss_MB": (r1.ru_maxrss - base) / 1024}))
+                              "sys_s": (r1.ru_stime - r0.ru_stime) / n, "peak_rss_MB": (r1.ru_maxrss - base) / 1024,
+                              **({"peak_gpu_MB": torch.cuda.max_memory_allocated() / 2 ** 20} if gpu else {})}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 
@@ -304,7 +334,8 @@ def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dic
     in the order equally often when the rounds are a multiple of the sides). Per side: the rounds' times, page
     faults and system time per unit, peak RSS over the imports, and whether the heap was kept."""
     threads = torch.get_num_threads()
-    sides = {key: Side(key, build, build_args(key), args.heap == "kept" or (args.heap == "tools" and key == "attnlab"),
+    on_cpu = torch.device(getattr(args, "device", "cpu")).type == "cpu"  # (the trainer keeps it when it trains on CPU)
+    sides = {key: Side(key, build, build_args(key), args.heap == "kept" or (args.heap == "tools" and key == "attnlab" and on_cpu),
                        threads) for key in keys}
     try:
         kept = {key: side.answer() for key, side in sides.items()}  # (built: whether its heap is kept)
@@ -319,13 +350,14 @@ def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dic
     return {key: {"s": [x["s"] for x in rows[key]], "minor_faults_per_unit": round(statistics.median(x["minor_faults"] for x in rows[key])),
                   "sys_ms_per_unit": round(statistics.median(x["sys_s"] for x in rows[key]) * 1e3, 1),
                   "peak_rss_over_imports_MB": round(max(x["peak_rss_MB"] for x in rows[key])), "heap_kept": kept[key],
+                  **({"peak_gpu_MB": round(max(x["peak_gpu_MB"] for x in rows[key]))} if "peak_gpu_MB" in rows[key][0] else {}),
                   **({"profile": profiles[key]} if key in profiles else {})}
             for key in keys}
 
 
 def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
     keys = ["attnlab", "hf_marian", "torch_nn_transformer"]
-    sides = sides_in_turns("shape_side", keys, lambda key: (name, key, bf16), args, args.steps)
+    sides = sides_in_turns("shape_side", keys, lambda key: (name, key, bf16, args.device), args, args.steps)
     out = {}
     for key in keys:
         times = sides[key].pop("s")
@@ -714,8 +746,13 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--shapes", default="small,large", help="comma-separated: small, large (none: only --nanogpt)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--peak-size", type=int, default=2048,
-                    help="side of the square matmul that measures the peak (default 2048; smaller: a quicker, lower peak)")
+    ap.add_argument("--device", default="cpu",
+                    help="where the step tables run: cpu (default), cuda, mps (the other tables run on CPU only)")
+    ap.add_argument("--dtype", choices=["both", "fp32", "bf16"], default="both",
+                    help="the precision of the step tables and --corpus: fp32, bf16 autocast (where the device has native bf16), or both")
+    ap.add_argument("--peak-size", type=int, default=None,
+                    help="side of the square matmul that measures the peak (default 2048 on CPU, 8192 on a GPU; "
+                         "smaller: a quicker, lower peak)")
     ap.add_argument("--nanogpt", default=None, help="a local checkout of karpathy/nanoGPT: also time its Shakespeare step")
     ap.add_argument("--nanogpt-iters", type=int, default=60, help="iterations per process (the first 10 are not timed)")
     ap.add_argument("--attention", action="store_true",
@@ -748,17 +785,34 @@ def main():
     ap.add_argument("--pairs", type=int, default=1024, help="--corpus: how many pairs (drawn at random, seed 0)")
     ap.add_argument("--corpus-shape", default="small", help="--corpus: the model shape (tiny: the smoke test's)")
     args = ap.parse_args()
+    try:
+        device = accel.pick_device(args.device)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise SystemExit(f"--device {args.device}: cpu, cuda or mps (a device the step can be trained and timed on)")
+    args.device = str(device)
+    if device.type != "cpu" and (args.nanogpt or args.corpus or args.attention or args.dropout or args.gemm
+                                 or args.attention_products):
+        raise SystemExit(f"--device {args.device}: only the step tables (--shapes) run there; --nanogpt, --corpus, "
+                         "--attention, --dropout, --gemm and --attention-products are CPU tables")
+    if args.peak_size is None:
+        args.peak_size = 2048 if device.type == "cpu" else 8192
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.heap != "default":  # the tables timed in this process are attnlab's alone (its trainer's heap)
         accel.keep_freed_memory()
     results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(),
-               "torch": torch.__version__, "heap": args.heap}
-    dtypes = [False] + ([True] if accel.bf16_native("cpu") else [])
+               "torch": torch.__version__, "heap": args.heap, "device": args.device}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
+    dtypes = {"both": [False] + ([True] if accel.bf16_native(device) else []), "fp32": [False], "bf16": [True]}[args.dtype]
+    if True in dtypes and not accel.bf16_native(device):
+        raise SystemExit(f"--dtype bf16: {args.device} has no native bf16 here (emulated bf16 is not a row)")
     shapes = ([] if args.shapes == "none" or args.dropout or args.gemm or args.attention_products  # (their own steps)
               else args.shapes.split(","))
     for bf16 in dtypes if shapes else []:
-        peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size)
+        peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size, args.device)
         results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
         for name in shapes:
             key = f"{name}_{'bf16' if bf16 else 'fp32'}"

@@ -48,10 +48,12 @@ def test_train_speed_profile_splits_each_step():
     lead follow from the peers' times and MFUs."""
     pytest.importorskip("transformers")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--steps", "2", "--shapes",
-                          "tiny", "--threads", "1", "--peak-size", "256", "--rounds", "1", "--profile"],
-                         capture_output=True, text=True, timeout=300)
+                          "tiny", "--threads", "1", "--peak-size", "256", "--rounds", "1", "--profile",
+                          "--device", "cpu", "--dtype", "fp32"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    row = json.loads(res.stdout.strip().splitlines()[-1])["tiny_fp32"]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["device"] == "cpu" and "tiny_bf16" not in r  # --dtype fp32: the fp32 table only
+    row = r["tiny_fp32"]
     for key in ("attnlab", "hf_marian", "torch_nn_transformer"):
         p = row[key]["profile"]
         assert 0 < p["products_ms"] < p["profiled_ms"], (key, p)
@@ -59,6 +61,21 @@ def test_train_speed_profile_splits_each_step():
     products = row["attnlab"]["profile"]["products_ms"]
     assert row["attnlab_vs_hf_if_only_products"] == round(row["hf_marian"]["ms_per_step"] / products, 2)
     assert row["attnlab_vs_torch_at_peak"] == round(1 / row["torch_nn_transformer"]["mfu"], 2)
+
+
+def test_train_speed_refuses_a_device_it_cannot_time_on():
+    """--device: a GPU this PyTorch does not see, or a device nothing trains on, is a one-line error, before any
+    side starts; the CPU tables are refused on a GPU."""
+    import torch
+    cases = [(["--device", "meta"], "--device meta: cpu, cuda or mps")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "--device cuda: this PyTorch sees no CUDA GPU"))
+    else:
+        cases.append((["--device", "cuda", "--gemm"], "only the step tables (--shapes) run there"))
+    for argv, message in cases:
+        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), *argv, "--shapes", "tiny"],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1 and message in res.stderr.strip().splitlines()[-1], (argv, res.stderr[-500:])
 
 
 def test_train_speed_corpus_epoch_runs():
