@@ -96,11 +96,12 @@ class TorchSeq2Seq(nn.Module):
                                 tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad))
 
 
-def synchronize() -> None:
-    """Wait for the GPU's queued work (a GPU's calls return before it has run them): before reading a clock."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+def synchronize(device: str = "cpu") -> None:
+    """Wait for ``device``'s queued work (a GPU's calls return before it has run them): before reading a clock."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
         torch.mps.synchronize()
 
 
@@ -119,11 +120,11 @@ def matmul_peak(dtype, n: int = 2048, device: str = "cpu") -> float:
         except RuntimeError:  # (oneDNN's linear in a dtype this CPU cannot run: MKL's peak alone)
             continue
         for _ in range(3):  # the best of three: a peak, not a sample of the machine's noise
-            synchronize()
+            synchronize(device)
             t0 = time.perf_counter()
             for _ in range(5):
                 product()
-            synchronize()
+            synchronize(device)
             best = min(best, time.perf_counter() - t0)
     return 5 * 2 * n ** 3 / best
 
@@ -219,37 +220,42 @@ def shape_side(name: str, key: str, bf16: bool, device: str = "cpu"):
     return step, step
 
 
-# the operators that are matrix products (GEMMs): what this CPU's BLAS (MKL, oneDNN) runs at close to its peak
+# the operators that are matrix products (GEMMs): what the device's BLAS (MKL or oneDNN on a CPU, cuBLAS on a
+# GPU) runs at close to its peak
 PRODUCT_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm",
                "mkldnn::_linear_pointwise", "aten::mkldnn_linear", "aten::_mkldnn_linear_backward_weights"}
 
 
-def profile_units(unit, n: int) -> dict:
+def profile_units(unit, n: int, device: str = "cpu") -> dict:
     """``n`` calls of ``unit`` under torch.profiler: per call, the wall time, the self time of the matrix products
     (:data:`PRODUCT_OPS`), of PyTorch's fused attention kernels (``aten::_scaled_dot_product_*``, their products
     inside) and the costliest operators. Why: the products run near the matmul peak on every side, so a step can
     be no faster than its products alone; what a tool can still win is the rest."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()  # then the operators' time on the GPU
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
-        synchronize()
+    cuda = torch.device(device).type == "cuda"  # then each operator's time on the GPU (its kernels')
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        synchronize(device)
         t0 = time.perf_counter()
         for _ in range(n):
             unit()
-        synchronize()
+        synchronize(device)
         wall = time.perf_counter() - t0
     products = fused_attention = 0.0
     ops = []
     for event in prof.key_averages():
-        ms = (event.self_device_time_total if gpu else event.self_cpu_time_total) / 1e3 / n
+        if event.device_type != DeviceType.CPU:  # a GPU kernel: its time is its operator's already
+            continue
+        ms = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3 / n
         if event.key in PRODUCT_OPS:
             products += ms
-        elif event.key.startswith(("aten::_scaled_dot_product", "aten::_flash_attention")):
+        elif event.key.startswith(("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention")):
             fused_attention += ms
         ops.append((ms, event.key))
-    return {"profiled_ms": round(wall / n * 1e3, 1), "products_ms": round(products, 1),
-            "fused_attention_ms": round(fused_attention, 1),
-            "top_ops_ms": {key: round(ms, 1) for ms, key in sorted(ops, reverse=True)[:6]}}
+    # three decimals: a GPU's step takes milliseconds, and the bounds divide by the products' time
+    return {"profiled_ms": round(wall / n * 1e3, 3), "products_ms": round(products, 3),
+            "fused_attention_ms": round(fused_attention, 3),
+            "top_ops_ms": {key: round(ms, 3) for ms, key in sorted(ops, reverse=True)[:6]}}
 
 
 class Side:
@@ -259,11 +265,11 @@ class Side:
     faults; each side also runs with its own tool's heap setting (``--heap``: attnlab's trainer keeps freed
     memory, accel.keep_freed_memory; HF's Trainer and the tutorial leave glibc's defaults)."""
 
-    def __init__(self, name: str, build: str, build_args: tuple, keep_heap: bool, threads: int):
+    def __init__(self, name: str, build: str, build_args: tuple, keep_heap: bool, threads: int, device: str = "cpu"):
         import multiprocessing
         ctx = multiprocessing.get_context("spawn")  # not fork: torch's and OpenMP's threads do not survive one
         self.name, (self.conn, child) = name, ctx.Pipe()
-        self.proc = ctx.Process(target=_side_main, args=(child, build, build_args, keep_heap, threads), daemon=True)
+        self.proc = ctx.Process(target=_side_main, args=(child, build, build_args, keep_heap, threads, device), daemon=True)
         self.proc.start()
         child.close()
 
@@ -293,10 +299,13 @@ class Side:
             self.proc.terminate()
 
 
-def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: int):
+def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: int, device: str):
     import traceback
     try:
         torch.set_num_threads(threads)
+        cuda = torch.device(device).type == "cuda"
+        if cuda:  # (cuda:1: the peak-memory counters and the default stream are the current device's)
+            torch.cuda.set_device(device)
         heap_kept = accel.keep_freed_memory() if keep_heap else False
         import transformers  # noqa: F401  (every side imports it before the baseline, the tutorial's too)
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # after the imports: torch, transformers
@@ -308,22 +317,21 @@ def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: in
                 return
             if message[0] == "profile":
                 warm()
-                conn.send(("ok", profile_units(unit, message[1])))
+                conn.send(("ok", profile_units(unit, message[1], device)))
                 continue
             _, n = message
             warm()
-            gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
-            if gpu:
+            if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            synchronize()
+            synchronize(device)
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             for _ in range(n):
                 unit()
-            synchronize()
+            synchronize(device)
             t, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
             conn.send(("ok", {"s": t / n, "minor_faults": (r1.ru_minflt - r0.ru_minflt) / n,
                               "sys_s": (r1.ru_stime - r0.ru_stime) / n, "peak_rss_MB": (r1.ru_maxrss - base) / 1024,
-                              **({"peak_gpu_MB": torch.cuda.max_memory_allocated() / 2 ** 20} if gpu else {})}))
+                              **({"peak_gpu_MB": torch.cuda.max_memory_allocated() / 2 ** 20} if cuda else {})}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 
@@ -334,16 +342,17 @@ def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dic
     in the order equally often when the rounds are a multiple of the sides). Per side: the rounds' times, page
     faults and system time per unit, peak RSS over the imports, and whether the heap was kept."""
     threads = torch.get_num_threads()
-    on_cpu = torch.device(getattr(args, "device", "cpu")).type == "cpu"  # (the trainer keeps it when it trains on CPU)
-    sides = {key: Side(key, build, build_args(key), args.heap == "kept" or (args.heap == "tools" and key == "attnlab" and on_cpu),
-                       threads) for key in keys}
+    on_cpu = torch.device(args.device).type == "cpu"  # (attnlab's trainer keeps freed memory when it trains on CPU)
+    keep = {key: args.heap == "kept" or (args.heap == "tools" and key == "attnlab" and on_cpu) for key in keys}
+    sides = {key: Side(key, build, build_args(key), keep[key], threads, args.device) for key in keys}
     try:
         kept = {key: side.answer() for key, side in sides.items()}  # (built: whether its heap is kept)
         rows = {key: [] for key in keys}
         for r in range(args.rounds):
             for key in keys[r % len(keys):] + keys[:r % len(keys)]:
                 rows[key].append(sides[key].ask("time", n))
-        profiles = {key: sides[key].ask("profile", n) for key in keys} if getattr(args, "profile", False) else {}
+        # --profile: the step tables' steps (an epoch of --corpus is not profiled)
+        profiles = {key: sides[key].ask("profile", n) for key in keys} if args.profile and build == "shape_side" else {}
     finally:
         for side in sides.values():
             side.close()
@@ -358,22 +367,23 @@ def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dic
 def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
     keys = ["attnlab", "hf_marian", "torch_nn_transformer"]
     sides = sides_in_turns("shape_side", keys, lambda key: (name, key, bf16, args.device), args, args.steps)
-    out = {}
+    out, t = {}, {}  # t: each side's median seconds per step, unrounded (a GPU's step takes milliseconds)
     for key in keys:
         times = sides[key].pop("s")
-        t = statistics.median(times)
-        out[key] = {"ms_per_step": round(t * 1e3, 1), "tgt_tokens_per_s": round(s["batch"] * s["length"] / t),
-                    "mfu": round(model_flops(s) / t / peak, 3), **sides[key],
+        t[key] = statistics.median(times)
+        out[key] = {"ms_per_step": round(t[key] * 1e3, 1), "tgt_tokens_per_s": round(s["batch"] * s["length"] / t[key]),
+                    "mfu": round(model_flops(s) / t[key] / peak, 3), **sides[key],
                     "ms_per_step_by_round": [round(x * 1e3, 1) for x in times]}
-    out["attnlab_vs_hf"] = round(out["hf_marian"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
-    out["attnlab_vs_torch"] = round(out["torch_nn_transformer"]["ms_per_step"] / out["attnlab"]["ms_per_step"], 2)
+    for peer, short in (("hf_marian", "hf"), ("torch_nn_transformer", "torch")):
+        out[f"attnlab_vs_{short}"] = round(t[peer] / t["attnlab"], 2)
     if args.profile:
         # the most attnlab's step could lead by: were everything but its matrix products free (its products as
         # fast as they ran in its own step), and were its products at the matmul peak too (1 / the peer's MFU)
-        products = out["attnlab"]["profile"]["products_ms"]
+        products = out["attnlab"]["profile"]["products_ms"] / 1e3
         for peer, short in (("hf_marian", "hf"), ("torch_nn_transformer", "torch")):
-            out[f"attnlab_vs_{short}_if_only_products"] = round(out[peer]["ms_per_step"] / products, 2)
-            out[f"attnlab_vs_{short}_at_peak"] = round(1 / out[peer]["mfu"], 2)
+            if products > 0:  # (a profiler that saw none of PRODUCT_OPS: no bound)
+                out[f"attnlab_vs_{short}_if_only_products"] = round(t[peer] / products, 2)
+            out[f"attnlab_vs_{short}_at_peak"] = round(t[peer] * peak / model_flops(s), 2)
     return out
 
 
@@ -659,7 +669,7 @@ for _ in range(iters):
     t0 = t1
 profiled = {}
 if len(sys.argv) > 7 and int(sys.argv[7]):  # --profile: the products' share of the update (train_speed.profile_units)
-    sys.path.insert(0, sys.argv[8])
+    sys.path.append(sys.argv[8])
     from train_speed import profile_units
     profiled = profile_units(lambda: trainer._update(1e-3), int(sys.argv[7]))
 print(json.dumps({"ms": [round(t * 1e3, 3) for t in times], "bf16": trainer.bf16, "profile": profiled}))

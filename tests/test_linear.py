@@ -156,6 +156,20 @@ def test_bf16_resolves_to_fp32_where_not_native(monkeypatch):
     assert accel.resolve_bf16(True, "cpu", said.append) is accel.cpu_bf16_native()
 
 
+def test_bf16_on_a_gpu_that_only_emulates_it_is_not_native(monkeypatch):
+    """PyTorch's ``is_bf16_supported()`` says yes on pre-Ampere GPUs (V100, T4) by counting its emulation; that is
+    the several-times-slower bf16 ``--bf16`` refuses, so a GPU counts as native only without the emulation."""
+    import torch
+    from attnlab import accel
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)  # a T4
+    said = []
+    assert accel.bf16_native("cuda") is False
+    assert accel.resolve_bf16(True, "cuda", said.append) is False and "running in fp32" in said[0]
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
+    assert accel.bf16_native("cuda") is True
+
+
 def test_the_avx2_cap_is_named_and_really_caps_the_kernels():
     """``--as-avx2`` (``accel.AVX2_ENVIRONMENT``): a child Python with those variables reports the capped
     ISA, no native bf16, and PyTorch's own dispatch at AVX2 — and packed linears still equal F.linear."""

@@ -259,8 +259,8 @@ def bf16_native(device: torch.device | str = "cpu") -> bool:
     """Whether bf16 compute is native (fast) on ``device``. On CPUs without it PyTorch emulates bf16,
     which is correct but several times slower than fp32."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # (not counting the emulation PyTorch offers on pre-Ampere GPUs: several times slower)
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "mps":
         return not _env_on("ATTNLAB_NO_BF16")
     return cpu_bf16_native()
