@@ -374,13 +374,12 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
         out[key] = {"ms_per_step": round(t[key] * 1e3, 1), "tgt_tokens_per_s": round(s["batch"] * s["length"] / t[key]),
                     "mfu": round(model_flops(s) / t[key] / peak, 3), **sides[key],
                     "ms_per_step_by_round": [round(x * 1e3, 1) for x in times]}
+    products = out["attnlab"]["profile"]["products_ms"] / 1e3 if args.profile else 0.0
     for peer, short in (("hf_marian", "hf"), ("torch_nn_transformer", "torch")):
         out[f"attnlab_vs_{short}"] = round(t[peer] / t["attnlab"], 2)
-    if args.profile:
-        # the most attnlab's step could lead by: were everything but its matrix products free (its products as
-        # fast as they ran in its own step), and were its products at the matmul peak too (1 / the peer's MFU)
-        products = out["attnlab"]["profile"]["products_ms"] / 1e3
-        for peer, short in (("hf_marian", "hf"), ("torch_nn_transformer", "torch")):
+        if args.profile:
+            # the most attnlab's step could lead by: were everything but its matrix products free (its products as
+            # fast as they ran in its own step), and were its products at the matmul peak too (1 / the peer's MFU)
             if products > 0:  # (a profiler that saw none of PRODUCT_OPS: no bound)
                 out[f"attnlab_vs_{short}_if_only_products"] = round(t[peer] / products, 2)
             out[f"attnlab_vs_{short}_at_peak"] = round(t[peer] * peak / model_flops(s), 2)
@@ -696,8 +695,7 @@ def nanogpt_step(args) -> dict:
     # --heap: attnlab's trainer keeps freed memory unless switched off; glibc's tunables give nanoGPT the same
     # setting for --heap kept (the 1 GiB threshold needs glibc >= 2.35)
     attnlab_env = {**env, "ATTNLAB_KEEP_FREED_MEMORY": "0" if args.heap == "default" else "1"}
-    nanogpt_env = {**env, **({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold="
-                                                 "2147483647"} if args.heap == "kept" else {})}
+    nanogpt_env = {**env, **({"GLIBC_TUNABLES": accel.KEPT_HEAP_TUNABLES} if args.heap == "kept" else {})}
     attnlab_sides = ["attnlab_fp32"] + (["attnlab_bf16"] if accel.bf16_native("cpu") else [])
     sides = ["nanogpt", *attnlab_sides]
     if args.compile:  # both tools' torch.compile: nanoGPT's --compile=True, attnlab's --compile

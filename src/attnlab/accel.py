@@ -67,6 +67,10 @@ def _env_on(name: str) -> bool:
 # -- the C heap -------------------------------------------------------------------------------------
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+KEPT_MMAP_THRESHOLD, KEPT_TRIM_THRESHOLD = 1 << 30, (1 << 31) - 1  # keep_freed_memory's settings
+# the same settings for a process attnlab does not start itself (a peer in a benchmark), through glibc's tunables
+KEPT_HEAP_TUNABLES = (f"glibc.malloc.mmap_threshold={KEPT_MMAP_THRESHOLD}"
+                      f":glibc.malloc.trim_threshold={KEPT_TRIM_THRESHOLD}")
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
@@ -137,10 +141,10 @@ def _kept_mmap_threshold() -> int:
         libc = _glibc()
         # glibc before 2.35 caps the mmap threshold at 32 MiB and refuses 1 GiB: blocks of 32 MiB or more
         # (a large vocabulary's logits) are then still unmapped on free
-        threshold = next((size for size in (1 << 30, 32 << 20) if libc.mallopt(_M_MMAP_THRESHOLD, size)), 0)
+        threshold = next((size for size in (KEPT_MMAP_THRESHOLD, 32 << 20) if libc.mallopt(_M_MMAP_THRESHOLD, size)), 0)
         if not threshold:
             why_not = "glibc refused the mmap threshold"
-        elif not libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1):
+        elif not libc.mallopt(_M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD):
             why_not = "glibc refused the trim threshold"
     _once("heap", f"the C heap keeps freed memory for reuse (glibc mallopt, mmap threshold {threshold >> 20} MiB)"
           if why_not is None else f"the C heap left at its defaults: {why_not}")
