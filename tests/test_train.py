@@ -358,9 +358,11 @@ print(kept, accel._kept_mmap_threshold(), sum(faults[3:]))  # the steps after th
                     reason="the C heap setting needs glibc and no preloaded allocator")
 def test_cpu_training_keeps_freed_memory_for_the_next_step(sample, tmp_path, monkeypatch):
     """A step frees its activations and the next allocates the same sizes again. With the trainer's heap setting
-    (accel.keep_freed_memory) the blocks come back from the heap without a page fault once it has grown to the
-    step's peak; glibc's default (ATTNLAB_KEEP_FREED_MEMORY=0) unmaps or trims them and faults the pages in again
-    (4 KiB pages: ~24,600 a step here; one per 2 MiB where transparent huge pages are always on). And the
+    (accel.keep_freed_memory) the blocks come back from the heap once it has grown to the step's peak, almost
+    without a page fault (glibc now and then maps a fresh region for one block: 0 in most runs here, 1,024-4,096
+    in some steps of some, measured over 16 steps); glibc's default (ATTNLAB_KEEP_FREED_MEMORY=0) unmaps or trims
+    them and faults the pages in again (4 KiB pages: ~24,600 a step here; one per 2 MiB where transparent huge
+    pages are always on), so the setting must save at least nine faults in ten. And the
     trainer on CPU asks for the setting. The subprocesses run with ATTNLAB_KEEP_FREED_MEMORY set either way,
     so the check also runs when the suite runs with the setting switched off."""
     faults, threshold = {}, None
@@ -371,8 +373,9 @@ def test_cpu_training_keeps_freed_memory_for_the_next_step(sample, tmp_path, mon
         assert kept == ("True" if keep == "1" else "False")
         faults[keep], threshold = int(n), threshold or int(mmap_threshold)
     if threshold >= 1 << 30:  # (glibc before 2.35 caps the threshold at 32 MiB: the 64 MiB block is mmapped still)
-        # no fault with the setting; without it, at least one per 2 MiB page (4 KiB pages here: ~24,600 a step)
-        assert faults["1"] < 64 and faults["0"] >= 5 * 32, faults
+        # without the setting at least one fault per 2 MiB page (4 KiB pages here: ~24,600 a step); with it, a
+        # tenth of that at most (an occasional fresh region: asserting fewer than 64 failed 5 runs of 16 here)
+        assert faults["1"] * 10 <= faults["0"] and faults["0"] >= 5 * 32, faults
     from attnlab.train import trainer as trainer_mod
     calls = []
     monkeypatch.setattr(trainer_mod, "keep_freed_memory", lambda: calls.append(1) or True)
