@@ -650,12 +650,12 @@ _ATTNLAB_LM_STEP = """
 import json, sys, time, torch
 from attnlab.train.options import TrainArgs
 from attnlab.train.trainer import Trainer
-text, out, iters, bf16, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
-compile = sys.argv[6] == "1"
-args = TrainArgs(task="lm", train=text, out=out, preset="shakespeare-char", tokenizer="char", block_size=64,
+side = json.loads(sys.argv[1])  # text, out, iters, bf16, threads, compile, profile (updates; 0: none), benchmarks
+iters = side["iters"]
+args = TrainArgs(task="lm", train=side["text"], out=side["out"], preset="shakespeare-char", tokenizer="char", block_size=64,
                  batch_size=12, max_steps=iters, lr=1e-3, min_lr=1e-4, schedule="cosine", warmup=100, betas=[0.9, 0.99],
-                 eps=1e-8, weight_decay=0.1, clip_norm=1.0, eval_every=0, save_every=0, progress=False, bf16=bf16,
-                 threads=threads or None, compile=compile)
+                 eps=1e-8, weight_decay=0.1, clip_norm=1.0, eval_every=0, save_every=0, progress=False, bf16=side["bf16"],
+                 threads=side["threads"] or None, compile=side["compile"])
 trainer = Trainer(args, log=lambda *a: None)
 trainer.setup()
 trainer.model.train()
@@ -667,10 +667,10 @@ for _ in range(iters):
     times.append(t1 - t0)
     t0 = t1
 profiled = {}
-if len(sys.argv) > 7 and int(sys.argv[7]):  # --profile: the products' share of the update (train_speed.profile_units)
-    sys.path.append(sys.argv[8])
+if side["profile"]:  # --profile: the products' share of the update (train_speed.profile_units)
+    sys.path.append(side["benchmarks"])
     from train_speed import profile_units
-    profiled = profile_units(lambda: trainer._update(1e-3), int(sys.argv[7]))
+    profiled = profile_units(lambda: trainer._update(1e-3), side["profile"])
 print(json.dumps({"ms": [round(t * 1e3, 3) for t in times], "bf16": trainer.bf16, "profile": profiled}))
 """
 
@@ -713,11 +713,11 @@ def nanogpt_step(args) -> dict:
                     raise SystemExit(f"nanoGPT's train.py failed:\n{res.stderr[-2000:]}")
                 ms = [float(m) for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", res.stdout, re.M)]
             else:
-                res = subprocess.run([sys.executable, "-c", _ATTNLAB_LM_STEP, str(work / "input.txt"),
-                                      str(work / side), str(iters), "1" if "bf16" in side else "0", threads,
-                                      "1" if side.endswith("compiled") else "0",
-                                      str(20 if args.profile and not side.endswith("compiled") else 0),
-                                      str(Path(__file__).resolve().parent)],
+                spec = {"text": str(work / "input.txt"), "out": str(work / side), "iters": iters, "bf16": "bf16" in side,
+                        "threads": int(threads), "compile": side.endswith("compiled"),
+                        "profile": 20 if args.profile and not side.endswith("compiled") else 0,
+                        "benchmarks": str(Path(__file__).resolve().parent)}
+                res = subprocess.run([sys.executable, "-c", _ATTNLAB_LM_STEP, json.dumps(spec)],
                                      env=attnlab_env, capture_output=True, text=True)
                 if res.returncode:
                     raise SystemExit(f"attnlab's step failed:\n{res.stderr[-2000:]}")
