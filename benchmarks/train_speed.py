@@ -22,6 +22,11 @@ still equal, then moved; the clocks read after the GPU's queue has run; the peak
 against a square matmul on the GPU; with ``--profile`` the operators' GPU time); ``--dtype fp32|bf16`` one
 precision only. The other tables are CPU tables.
 
+``--as-avx2`` runs everything with PyTorch's kernels, oneDNN and MKL capped at AVX2 and no native bf16
+(``accel.AVX2_ENVIRONMENT``, inherited by every side's process and by nanoGPT's): the stand-in for an AVX2-only
+CPU on a wider one. The step tables are then fp32 only, and attnlab's fp32 products take MKL's GEMM, as the
+peers' do (``accel.onednn_training_gemm_ok`` wants AVX-512).
+
 With ``--nanogpt PATH`` (your checkout of karpathy/nanoGPT) it also times nanoGPT's Tiny Shakespeare
 step: nanoGPT's own ``train.py`` with its README's CPU configuration (4 layers, 4 heads, d 128, block
 64, batch 12, dropout 0, fp32) against ``attnlab train``'s update with the same model and recipe
@@ -34,6 +39,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2] [--heap tools|kept|default] [--profile]
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
+    python benchmarks/train_speed.py --as-avx2 [--steps 5] [--rounds 3] [--nanogpt ~/nanoGPT]  # an AVX2-only CPU's stand-in
     PYTHONPATH=src python3 benchmarks/train_speed.py --device cuda --dtype bf16 --steps 20 --rounds 3 --profile  # a GPU
     python benchmarks/train_speed.py --attention-products [--shapes small,large] [--rounds 3]  # bf16 vs fp32 products in ShortAttention
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
@@ -330,6 +336,7 @@ def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: in
             synchronize(device)
             t, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
             conn.send(("ok", {"s": t / n, "minor_faults": (r1.ru_minflt - r0.ru_minflt) / n,
+                              "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # (--as-avx2: capped here too)
                               "sys_s": (r1.ru_stime - r0.ru_stime) / n, "peak_rss_MB": (r1.ru_maxrss - base) / 1024,
                               **({"peak_gpu_MB": torch.cuda.max_memory_allocated() / 2 ** 20} if cuda else {})}))
     except BaseException:
@@ -359,6 +366,7 @@ def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dic
     return {key: {"s": [x["s"] for x in rows[key]], "minor_faults_per_unit": round(statistics.median(x["minor_faults"] for x in rows[key])),
                   "sys_ms_per_unit": round(statistics.median(x["sys_s"] for x in rows[key]) * 1e3, 1),
                   "peak_rss_over_imports_MB": round(max(x["peak_rss_MB"] for x in rows[key])), "heap_kept": kept[key],
+                  "cpu_capability": rows[key][0]["cpu_capability"],
                   **({"peak_gpu_MB": round(max(x["peak_gpu_MB"] for x in rows[key]))} if "peak_gpu_MB" in rows[key][0] else {}),
                   **({"profile": profiles[key]} if key in profiles else {})}
             for key in keys}
@@ -792,7 +800,13 @@ def main():
                          "en-zh pairs) on the small shape, each side batching as its tool does")
     ap.add_argument("--pairs", type=int, default=1024, help="--corpus: how many pairs (drawn at random, seed 0)")
     ap.add_argument("--corpus-shape", default="small", help="--corpus: the model shape (tiny: the smoke test's)")
+    ap.add_argument("--as-avx2", action="store_true",
+                    help="cap PyTorch, oneDNN and MKL at AVX2, no native bf16 (every side's process, nanoGPT's too)")
     args = ap.parse_args()
+    if args.as_avx2:
+        if args.device != "cpu":
+            raise SystemExit("--as-avx2: a CPU cap, for the CPU tables (leave --device out)")
+        accel.restart_capped_at_avx2()  # (once: the program starts again with the variables set)
     try:
         device = accel.pick_device(args.device)
     except ValueError as e:

@@ -42,6 +42,22 @@ def test_train_speed_runs_one_step():
     assert row["hf_marian"]["peak_rss_over_imports_MB"] > 0 and "minor_faults_per_unit" in row["hf_marian"]
 
 
+def test_train_speed_as_avx2_caps_every_side():
+    """train_speed.py --as-avx2: the run starts again capped at AVX2 (accel.AVX2_ENVIRONMENT), and so does every
+    side's process (PyTorch's kernels at AVX2), with no bf16 rows (no native bf16 under the cap)."""
+    pytest.importorskip("transformers")
+    from attnlab import accel
+    if "avx2" not in accel.cpu_flags():
+        pytest.skip("--as-avx2 stands in for an AVX2 CPU on a wider x86 one")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--as-avx2", "--steps", "1",
+                          "--shapes", "tiny", "--threads", "1", "--peak-size", "256", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "(AVX2" in r["cpu"] and "tiny_bf16" not in r  # ("… (AVX2 (capped on AVX-512…))" on a wider CPU)
+    assert {r["tiny_fp32"][key]["cpu_capability"] for key in ("attnlab", "hf_marian", "torch_nn_transformer")} == {"AVX2"}
+
+
 def test_train_speed_profile_splits_each_step():
     """train_speed.py --profile: each side's step profiled in its own process after the timed rounds; its matrix
     products' time is part of the profiled step, its costliest operators fit inside it, and the bounds on attnlab's
