@@ -58,12 +58,12 @@ def test_internal_error_is_one_line_with_debug_hint(monkeypatch, capsys):
 def test_doctor_reports_paths(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "PyTorch" in out and "CPU inference linears, bf16" in out and "train --bf16 on CPU" in out
+    assert "PyTorch" in out and "CPU inference linears, bf16" in out and "train --bf16 on CPU" in out and "GELU, training" in out
     assert main(["doctor", "--json"]) == 0
     import json
     r = json.loads(capsys.readouterr().out)
     assert {"torch", "cpu_flags", "bf16_native_cpu", "packed_linear_bf16", "compile_cpu", "threads",
-            "own_quant_kernels", "own_quant_kernels_compiled", "own_dropout_kernel", "training_heap_refused"} <= set(r)
+            "own_quant_kernels", "own_quant_kernels_compiled", "own_dropout_kernel", "own_gelu_kernel", "training_heap_refused"} <= set(r)
 
 
 def test_doctor_says_whether_training_keeps_freed_memory(capsys, monkeypatch):

@@ -556,6 +556,75 @@ def test_dropout_kernel_check_survives_other_defaults(monkeypatch):
         torch.set_default_dtype(torch.float32)
         torch.set_default_device(None)
     assert y.device.type == "cpu" and 350 < int((y == 0).sum()) < 650
+    monkeypatch.setattr(layers, "_GELU", {})  # the GELU kernel's check too
+    try:
+        torch.set_default_dtype(torch.float64)
+        torch.set_default_device("meta")
+        assert layers.fused_gelu()
+    finally:
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+
+
+def test_gelu_kernel_and_its_slope_match_float64(monkeypatch):
+    """attnlab's GELU kernel (``layers.gelu`` while training on CPU in fp32): GELU and its gradient equal
+    float64's ``F.gelu`` to fp32 accuracy over the whole range (the tails, where erfc is tiny, and past the exp's
+    clamp), NaN stays NaN, a non-contiguous input is read right; the backward is the kept slope times the
+    gradient, and a second derivative is refused, not wrong. Without gradients it is ``F.gelu`` itself."""
+    from attnlab.model import layers
+    _dropout_path(monkeypatch, "kernel")
+    assert layers.fused_gelu()
+    x = torch.cat([torch.linspace(-20, 20, 200_001), torch.randn(50_000) * 3, torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    x = x.requires_grad_()
+    y = layers.gelu(x)
+    assert type(y.grad_fn).__name__ == "_GeluWithSlopeBackward"  # (the kernel's path)
+    dy = torch.randn_like(x)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = F.gelu(x64)
+    y64.backward(dy.double())
+    assert torch.allclose(y.double(), y64, rtol=2e-6, atol=1e-6), (y.double() - y64).abs().max()
+    assert torch.allclose(x.grad.double(), x64.grad, rtol=2e-6, atol=1e-6), (x.grad.double() - x64.grad).abs().max()
+    # no worse than PyTorch's own fp32 GELU against float64
+    assert (y.double() - y64).abs().max() <= 2 * (F.gelu(x.detach()).double() - y64).abs().max()
+    nan = layers.gelu(torch.tensor([float("nan"), 1.0], requires_grad=True))
+    assert nan[0].isnan() and not nan[1].isnan()
+    wide = torch.randn(64, 48).t().requires_grad_()  # (48, 64), not contiguous
+    assert torch.allclose(layers.gelu(wide), F.gelu(wide), rtol=1e-5, atol=1e-6)
+    (g,) = torch.autograd.grad(layers.gelu(wide).pow(2).sum(), wide, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+    with torch.no_grad():
+        assert torch.equal(layers.gelu(x), F.gelu(x))
+
+
+@pytest.mark.parametrize("preset", ["shakespeare-char", "vit-mnist"])
+def test_gelu_kernel_trains_the_model_as_f_gelu_does(monkeypatch, preset):
+    """A model whose FFN is GELU: the loss and every gradient with attnlab's kernel equal those of the torch
+    path (ATTNLAB_OWN_KERNELS=0: ``F.gelu``) to fp32 rounding."""
+    from attnlab.model import layers
+    torch.manual_seed(0)
+    cfg = get_preset(preset, **({"vocab_size": 40} if preset == "shakespeare-char" else {}))
+    model = build_model(cfg).train()
+    if cfg.family == "decoder-only":
+        batch, run = torch.randint(1, 40, (3, 16)), lambda m, b: F.cross_entropy(m(b).flatten(0, 1), b.flatten())
+    else:
+        batch, run = torch.randn(3, 1, 28, 28), lambda m, b: m(b).logsumexp(-1).mean()
+    kernel_calls, apply = [], layers._GeluWithSlope.apply
+    monkeypatch.setattr(layers._GeluWithSlope, "apply", lambda x: kernel_calls.append(x.shape) or apply(x))
+    grads = {}
+    for path in ("kernel", "torch"):
+        _dropout_path(monkeypatch, path)
+        assert layers.fused_gelu() == (path == "kernel")
+        model.zero_grad(set_to_none=True)
+        loss = run(model, batch)
+        loss.backward()
+        grads[path] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        assert len(kernel_calls) == (cfg.n_decoder_layers if cfg.family == "decoder-only" else cfg.n_encoder_layers)  # one per FFN, kernel path only
+    assert torch.allclose(grads["kernel"][0], grads["torch"][0], rtol=1e-5)
+    assert len(grads["kernel"][1]) == len(grads["torch"][1]) > 10
+    for a, b in zip(grads["kernel"][1], grads["torch"][1]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])

@@ -597,6 +597,19 @@ def built_once(cache: dict, lock: threading.Lock, build) -> bool:
     return cache["ok"]
 
 
+def own_kernel_target() -> tuple[str, list[str]]:
+    """(library name suffix, compiler flags) for attnlab's own CPU kernels (``csrc/``), for this CPU's vector
+    extensions as PyTorch runs them (capped too): AVX-512, AVX2, or the compiler's baseline (SSE2 on x86, NEON
+    on ARM). The kernels are plain loops the compiler vectorises for these flags."""
+    capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2 (also when capped), or another
+    flags = cpu_flags()
+    if capability == "AVX512" and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2"} <= flags:
+        return "_avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2"]
+    if capability in ("AVX512", "AVX2") and "avx2" in flags:
+        return "_avx2", ["-mavx2"]
+    return "", []
+
+
 def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str | None:
     """Build ``src/attnlab/csrc/<source>`` (a library of ``torch.ops.attnlab`` operators, ``op`` among them)
     with ``cflags``, or load it from torch's extension cache (keyed by ``name``, the source and the flags), into this

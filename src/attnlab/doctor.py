@@ -14,7 +14,7 @@ import torch
 from . import quant
 from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
                     glibc_version, heap_setting_refused, onednn_linear_ops, onednn_training_gemm_ok, packed_linear_ok)
-from .model.layers import fused_dropout
+from .model.layers import fused_dropout, fused_gelu
 
 
 def report() -> dict:
@@ -46,6 +46,7 @@ def report() -> dict:
         "own_quant_kernels": quant.own_kernels(),  # (builds them on first use: seconds, then cached on disk)
         "own_quant_kernels_compiled": quant.own_kernels_in_compiled_step(),
         "own_dropout_kernel": fused_dropout(),  # (the same: built on first use)
+        "own_gelu_kernel": fused_gelu(),
         "training_heap_refused": heap_setting_refused(),  # None: training keeps freed memory (accel.keep_freed_memory)
         "glibc": glibc_version(),
         "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE",
@@ -84,6 +85,8 @@ def doctor_text(r: dict | None = None) -> str:
         f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}",
         f"  --quantize, decoding (CPU)    {_quantised_path(r)}",
         f"  dropout, training (CPU)       {dropout_path}",
+        "  GELU, training (CPU, fp32)    " + ("attnlab's kernel (its slope kept for the backward)" if r["own_gelu_kernel"]
+                                             else "F.gelu (attnlab's kernel: not built here or switched off)"),
         "  freed memory, training (CPU)  " + (f"kept in the heap for the next step (glibc {r['glibc']} mallopt)"
                                              if r["training_heap_refused"] is None
                                              else f"the C library's default heap: {r['training_heap_refused']}"),

@@ -151,17 +151,10 @@ def fused_dropout() -> bool:
 
 def _build_fused_dropout() -> bool:
     from .. import accel
-    capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2 (also when capped), or another
-    flags = accel.cpu_flags()
-    if capability == "AVX512" and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2"} <= flags:
-        name, cflags = "attnlab_dropout_avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2"]
-    elif capability in ("AVX512", "AVX2") and "avx2" in flags:
-        name, cflags = "attnlab_dropout_avx2", ["-mavx2"]
-    else:
-        name, cflags = "attnlab_dropout", []  # (the compiler's baseline: SSE2 on x86, NEON on ARM)
+    suffix, cflags = accel.own_kernel_target()
     try:
         loaded = hasattr(torch.ops.attnlab, "dropout")
-        why_not = accel.build_torch_ops(name, "dropout.cpp", cflags, "dropout")
+        why_not = accel.build_torch_ops("attnlab_dropout" + suffix, "dropout.cpp", cflags, "dropout")
         if why_not:
             accel._once("dropout-tools", f"attnlab's dropout kernel: {why_not}; torch's operations instead")
             return False
@@ -194,13 +187,82 @@ def make_norm(cfg: TransformerConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU(x) = x·Φ(x), exact (Φ through erf): ``F.gelu``, but while training on CPU in fp32 where attnlab's
+    kernel builds (``csrc/gelu.cpp``, :func:`fused_gelu`), one pass that computes GELU(x) and its slope
+    Φ(x) + x·φ(x) from one exp and keeps the slope for the backward in place of x: the backward is then one
+    multiply, where PyTorch's ``gelu_backward`` computes erf and exp again over the FFN's widest activation.
+    Equal to ``F.gelu`` and its gradient to ~1e-6 (tests/test_pitfalls.py, against float64). Eager autograd
+    only (not under ``torch.compile``, which fuses ``F.gelu`` itself, ``torch.jit`` tracing, ``torch.func``
+    transforms or forward-mode AD), and no second derivative: x is not kept."""
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and x.requires_grad and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not torch._C._are_functorch_transforms_active()
+            and getattr(torch.autograd.forward_ad, "_current_level", 0) < 0 and fused_gelu()):
+        return _GeluWithSlope.apply(x)
+    return F.gelu(x)
+
+
+class _GeluWithSlope(torch.autograd.Function):
+    """``attnlab::gelu_and_slope``: the forward keeps GELU'(x), the backward multiplies by it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out, slope = torch.ops.attnlab.gelu_and_slope(x)
+        ctx.save_for_backward(slope)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # (x is not kept: a second derivative is refused, not wrong)
+    def backward(ctx, grad):
+        slope, = ctx.saved_tensors
+        return grad * slope
+
+
+_GELU: dict = {}  # "ok" → whether attnlab::gelu_and_slope is built and right here (once per process)
+_GELU_LOCK = threading.Lock()
+
+
+def fused_gelu() -> bool:
+    """Whether :func:`gelu` takes attnlab's kernel: as :func:`fused_dropout` (not ``ATTNLAB_OWN_KERNELS=0``,
+    Linux, built once per process for this CPU's vector extensions, and right on a check)."""
+    from .. import accel
+    if accel._env_off("ATTNLAB_OWN_KERNELS") or platform.system() != "Linux":
+        return False
+    return accel.built_once(_GELU, _GELU_LOCK, _build_fused_gelu)
+
+
+def _build_fused_gelu() -> bool:
+    from .. import accel
+    suffix, cflags = accel.own_kernel_target()
+    if suffix and "fma" in accel.cpu_flags():
+        cflags = [*cflags, "-mfma"]  # (the polynomials: one rounding per step, and faster)
+    try:
+        why_not = accel.build_torch_ops("attnlab_gelu" + suffix, "gelu.cpp", cflags, "gelu_and_slope")
+        if why_not:
+            accel._once("gelu-tools", f"attnlab's GELU kernel: {why_not}; F.gelu instead")
+            return False
+        x = torch.linspace(-10, 10, 4001, dtype=torch.float32, device="cpu")  # (whatever the process's defaults)
+        out, slope = torch.ops.attnlab.gelu_and_slope(x)
+        x64 = x.double().requires_grad_()
+        torch.autograd.backward(F.gelu(x64), torch.ones_like(x64))
+        ok = bool(torch.allclose(out.double(), F.gelu(x64.detach()), rtol=1e-5, atol=2e-6)
+                  and torch.allclose(slope.double(), x64.grad, rtol=1e-5, atol=2e-6))
+    except Exception as e:  # a compiler that cannot build it, a failed load
+        accel._once("gelu-build", f"attnlab's GELU kernel did not build ({str(e).strip().splitlines()[:2]}): F.gelu instead")
+        return False
+    if not ok:
+        accel._once("gelu-wrong", "attnlab's GELU kernel gives wrong results here: F.gelu instead")
+    return ok
+
+
 ACTIVATIONS = {
     "relu": F.relu,
-    "gelu": F.gelu,
+    "gelu": gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
     "silu": F.silu,
     "swiglu": F.silu,  # gate activation of the GLU variants
-    "geglu": F.gelu,
+    "geglu": gelu,
     "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # T5 v1.1's gated-GELU ("gelu_new")
 }
 

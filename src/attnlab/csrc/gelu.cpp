@@ -1,0 +1,93 @@
+// GELU for training on CPU, forward and backward in one pass: gelu_and_slope(h) = (GELU(h), GELU'(h)), fp32.
+//
+// GELU(x) = x·Φ(x) (exact: Φ the normal CDF, through erf) and GELU'(x) = Φ(x) + x·φ(x). The trainer keeps the
+// slope for the backward in place of h, which then is one multiply, dh = dA · slope
+// (attnlab.model.layers.gelu). Why: PyTorch's gelu_backward recomputes erf and exp from h, a second pass of
+// transcendental functions over the largest activation of the layer (d_ff wide), read cold from memory; here
+// both come out of one exp: Φ(x) = 1 − ½·erfc(x/√2) and erfc(z) = poly(t)·exp(−z²) (Abramowitz & Stegun
+// 7.1.26, |error| ≤ 1.5e-7, the formula of PyTorch's vectorised erf), and φ(x) = exp(−x²/2)/√(2π) is the
+// same exp. What it gains in a training step: docs/results.md (twenty-third #13 session).
+//
+// The loop is branch-free (the exp's clamp an integer min, Φ's sign a copysign), so that the compiler
+// vectorises it with AVX2 as with AVX-512. Built on first use by torch.utils.cpp_extension
+// (attnlab.accel.build_torch_ops); tests/test_layers.py compares it with float64.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+// exp(y) for y <= 0: Cephes' expf (round to y·log2(e), a degree-6 polynomial, the power of two in the
+// exponent bits), and 0 below -87 (exp < 2^-125; NaN too, which the callers carry through x). As int32, the
+// bit patterns of negative floats grow with their magnitude: the range test and the clamp that keeps the
+// polynomial finite are integer compares, which vectorise where a float compare-and-select would not
+// (-ftrapping-math).
+inline float exp_nonpositive(float y) {
+  int32_t bits;
+  std::memcpy(&bits, &y, 4);
+  const int32_t minus_87 = static_cast<int32_t>(0xC2AE0000u);
+  const uint32_t in_range = 0U - static_cast<uint32_t>(bits <= minus_87);  // all ones where -87 <= y <= 0
+  bits = bits < minus_87 ? bits : minus_87;
+  std::memcpy(&y, &bits, 4);
+  const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // y·log2(e) to the nearest integer
+  float r = y - n * 0.693359375f;  // y − n·ln 2, ln 2 in two parts
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t scale_bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &scale_bits, 4);
+  float e = p * scale;
+  uint32_t e_bits;
+  std::memcpy(&e_bits, &e, 4);
+  e_bits &= in_range;
+  std::memcpy(&e, &e_bits, 4);
+  return e;
+}
+
+void gelu_block(const float* __restrict h, float* __restrict out, float* __restrict slope, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) {
+    const float x = h[i];
+    const float z = std::fabs(x) * 0.70710678118654752f;  // |x|/√2
+    const float t = 1.0f / (1.0f + 0.3275911f * z);
+    const float e = exp_nonpositive(-z * z);  // exp(−x²/2)
+    const float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+    const float tail = 0.5f * poly * e;  // Φ(−|x|) = ½·erfc(|x|/√2)
+    const float cdf = 0.5f + std::copysign(0.5f - tail, x);  // Φ(x)
+    out[i] = x * cdf;
+    slope[i] = cdf + x * e * 0.39894228040143268f;  // Φ(x) + x·φ(x)
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> gelu_and_slope(const at::Tensor& h) {
+  TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kFloat,
+              "attnlab::gelu_and_slope: a float32 CPU tensor is expected, got ", h.scalar_type(), " on ", h.device());
+  const at::Tensor hc = h.contiguous();
+  at::Tensor out = at::empty_like(hc), slope = at::empty_like(hc);
+  const float* hp = hc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* sp = slope.data_ptr<float>();
+  at::parallel_for(0, hc.numel(), 16384, [&](int64_t begin, int64_t end) {
+    gelu_block(hp + begin, op + begin, sp + begin, end - begin);
+  });
+  return {out, slope};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("gelu_and_slope(Tensor h) -> (Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("gelu_and_slope", &gelu_and_slope);
+}
