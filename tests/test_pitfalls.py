@@ -589,13 +589,41 @@ def test_gelu_kernel_and_its_slope_match_float64(monkeypatch):
     assert (y.double() - y64).abs().max() <= 2 * (F.gelu(x.detach()).double() - y64).abs().max()
     nan = layers.gelu(torch.tensor([float("nan"), 1.0], requires_grad=True))
     assert nan[0].isnan() and not nan[1].isnan()
-    wide = torch.randn(64, 48).t().requires_grad_()  # (48, 64), not contiguous
-    assert torch.allclose(layers.gelu(wide), F.gelu(wide), rtol=1e-5, atol=1e-6)
-    (g,) = torch.autograd.grad(layers.gelu(wide).pow(2).sum(), wide, create_graph=True)
+    wide = torch.randn(64, 48).t().requires_grad_()  # (48, 64), not contiguous: F.gelu (no copy, no slope kept)
+    assert torch.equal(layers.gelu(wide), F.gelu(wide)) and type(layers.gelu(wide).grad_fn).__name__ == "GeluBackward0"
+    square = torch.randn(48, 64, requires_grad=True)
+    (g,) = torch.autograd.grad(layers.gelu(square).pow(2).sum(), square, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         g.sum().backward()
     with torch.no_grad():
         assert torch.equal(layers.gelu(x), F.gelu(x))
+
+
+def test_gelu_kernel_first_use_inside_checkpoint_or_no_grad_or_fake_tensors(monkeypatch):
+    """The kernel's first-use check in a fresh process: asked first inside ``torch.utils.checkpoint`` (whose
+    saved-tensor hooks once made a check through autograd recompute the forward, which asked again under the
+    build's lock: a hang) and under ``no_grad`` (where that check found no gradient and cached "no kernel");
+    the operator's fake kernel lets fake tensors trace the model's FFN."""
+    import os
+    import subprocess
+    import sys
+    _dropout_path(monkeypatch, "kernel")
+    code = ("import torch, torch.utils.checkpoint as cp; from attnlab.model import layers\n"
+            "x = torch.randn(8, 16, requires_grad=True)\n"
+            "y = cp.checkpoint(lambda t: layers.gelu(t * 2), x, use_reentrant=False)\n"
+            "y.sum().backward()\n"
+            "ok = layers.fused_gelu() and type(y.grad_fn).__name__ != 'GeluBackward0'\n"
+            "layers._GELU.clear()\n"
+            "with torch.no_grad():\n"
+            "    ok = ok and layers.fused_gelu()\n"
+            "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+            "with FakeTensorMode():\n"
+            "    f = layers.gelu(torch.randn(4, 32, requires_grad=True))\n"
+            "print(ok, tuple(f.shape), x.grad.abs().sum().item() > 0)\n")
+    env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_OWN_KERNELS"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["True", "(4,", "32)", "True"], res.stdout
 
 
 @pytest.mark.parametrize("preset", ["shakespeare-char", "vit-mnist"])

@@ -10,7 +10,7 @@
 //
 // The loop is branch-free (the exp's clamp an integer min, Φ's sign a copysign), so that the compiler
 // vectorises it with AVX2 as with AVX-512. Built on first use by torch.utils.cpp_extension
-// (attnlab.accel.build_torch_ops); tests/test_layers.py compares it with float64.
+// (attnlab.accel.build_torch_ops); tests/test_pitfalls.py compares it with float64.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -196,6 +196,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     only (not under ``torch.compile``, which fuses ``F.gelu`` itself, ``torch.jit`` tracing, ``torch.func``
     transforms or forward-mode AD), and no second derivative: x is not kept."""
     if (x.dtype == torch.float32 and x.device.type == "cpu" and x.requires_grad and torch.is_grad_enabled()
+            and x.is_contiguous()  # (a view, such as a GLU's gate, would cost a copy and a slope kept beside it)
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and not torch._C._are_functorch_transforms_active()
             and getattr(torch.autograd.forward_ad, "_current_level", 0) < 0 and fused_gelu()):
@@ -236,18 +237,27 @@ def _build_fused_gelu() -> bool:
     from .. import accel
     suffix, cflags = accel.own_kernel_target()
     if suffix and "fma" in accel.cpu_flags():
-        cflags = [*cflags, "-mfma"]  # (the polynomials: one rounding per step, and faster)
+        suffix, cflags = suffix + "_fma", [*cflags, "-mfma"]  # (the polynomials: one rounding per step, and faster)
     try:
+        loaded = hasattr(torch.ops.attnlab, "gelu_and_slope")
         why_not = accel.build_torch_ops("attnlab_gelu" + suffix, "gelu.cpp", cflags, "gelu_and_slope")
         if why_not:
             accel._once("gelu-tools", f"attnlab's GELU kernel: {why_not}; F.gelu instead")
             return False
+        if not loaded:
+            @torch.library.register_fake("attnlab::gelu_and_slope")
+            def _(h):  # the shape function, for fake tensors
+                return (torch.empty_like(h, memory_format=torch.contiguous_format),
+                        torch.empty_like(h, memory_format=torch.contiguous_format))
+        # checked against the closed forms in float64, not through autograd: the first call may come from inside
+        # a forward that saved-tensor hooks watch (torch.utils.checkpoint), or under no_grad
         x = torch.linspace(-10, 10, 4001, dtype=torch.float32, device="cpu")  # (whatever the process's defaults)
         out, slope = torch.ops.attnlab.gelu_and_slope(x)
-        x64 = x.double().requires_grad_()
-        torch.autograd.backward(F.gelu(x64), torch.ones_like(x64))
-        ok = bool(torch.allclose(out.double(), F.gelu(x64.detach()), rtol=1e-5, atol=2e-6)
-                  and torch.allclose(slope.double(), x64.grad, rtol=1e-5, atol=2e-6))
+        x64 = x.double()
+        cdf = 0.5 * (1 + torch.erf(x64 / 2 ** 0.5))
+        ok = bool(torch.allclose(out.double(), x64 * cdf, rtol=1e-5, atol=2e-6)
+                  and torch.allclose(slope.double(), cdf + x64 * torch.exp(-x64 * x64 / 2) / (2 * torch.pi) ** 0.5,
+                                     rtol=1e-5, atol=2e-6))
     except Exception as e:  # a compiler that cannot build it, a failed load
         accel._once("gelu-build", f"attnlab's GELU kernel did not build ({str(e).strip().splitlines()[:2]}): F.gelu instead")
         return False
@@ -262,7 +272,7 @@ ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
     "silu": F.silu,
     "swiglu": F.silu,  # gate activation of the GLU variants
-    "geglu": gelu,
+    "geglu": F.gelu,  # (the gate is a view of the fused projection: gelu would copy it)
     "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # T5 v1.1's gated-GELU ("gelu_new")
 }
 
