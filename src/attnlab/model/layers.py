@@ -150,32 +150,46 @@ def fused_dropout() -> bool:
 
 
 def _build_fused_dropout() -> bool:
-    from .. import accel
-    suffix, cflags = accel.own_kernel_target()
-    try:
-        loaded = hasattr(torch.ops.attnlab, "dropout")
-        why_not = accel.build_torch_ops("attnlab_dropout" + suffix, "dropout.cpp", cflags, "dropout")
-        if why_not:
-            accel._once("dropout-tools", f"attnlab's dropout kernel: {why_not}; torch's operations instead")
-            return False
-        if not loaded:
-            @torch.library.register_fake("attnlab::dropout")
-            def _(x, seed, dropped, scale):  # the shape functions, for tracing
-                return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-            @torch.library.register_fake("attnlab::dropout_add")
-            def _(x, residual, seed, dropped, scale):
-                return torch.empty_like(residual, memory_format=torch.contiguous_format)
+    def check():
         one = torch.ones(4096, dtype=torch.float32, device="cpu")
         y = torch.ops.attnlab.dropout(one, 12345, 32768, 2.0)  # p = 1/2
         ok = bool(((y == 0) | (y == 2)).all()) and 1800 < int((y == 2).sum()) < 2300
-        ok = ok and torch.equal(torch.ops.attnlab.dropout_add(one, one, 12345, 32768, 2.0), y + 1)
+        return ok and torch.equal(torch.ops.attnlab.dropout_add(one, one, 12345, 32768, 2.0), y + 1)
+
+    def dropout(x, seed, dropped, scale):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    def dropout_add(x, residual, seed, dropped, scale):
+        return torch.empty_like(residual, memory_format=torch.contiguous_format)
+
+    from .. import accel
+    suffix, cflags = accel.own_kernel_target()
+    return _own_kernel("dropout kernel", "torch's operations", "attnlab_dropout" + suffix, "dropout.cpp", cflags,
+                       {"dropout": dropout, "dropout_add": dropout_add}, check)
+
+
+def _own_kernel(what: str, instead: str, library: str, source: str, cflags: list[str], fakes: dict, check) -> bool:
+    """Whether attnlab's own CPU kernel ``what`` serves here: ``csrc/<source>`` built (or loaded from torch's
+    extension cache) as ``library`` with ``cflags`` (``accel.build_torch_ops``), its operators' shape functions
+    (``fakes``: name → function, for tracing and fake tensors) registered the first time, and ``check()`` true.
+    Otherwise False, said once (no compiler or ninja, a failed build, wrong results), and ``instead`` serves."""
+    from .. import accel
+    try:
+        loaded = hasattr(torch.ops.attnlab, next(iter(fakes)))
+        why_not = accel.build_torch_ops(library, source, cflags, next(iter(fakes)))
+        if why_not:
+            accel._once(f"{source}-tools", f"attnlab's {what}: {why_not}; {instead} instead")
+            return False
+        if not loaded:
+            for name, fake in fakes.items():
+                torch.library.register_fake(f"attnlab::{name}")(fake)
+        ok = check()
     except Exception as e:  # a compiler that cannot build it, a failed load
-        accel._once("dropout-build", f"attnlab's dropout kernel did not build ({str(e).strip().splitlines()[:2]}): "
-                    "torch's operations instead")
+        accel._once(f"{source}-build", f"attnlab's {what} did not build ({str(e).strip().splitlines()[:2]}): "
+                    f"{instead} instead")
         return False
     if not ok:
-        accel._once("dropout-wrong", "attnlab's dropout kernel gives wrong results here: torch's operations instead")
+        accel._once(f"{source}-wrong", f"attnlab's {what} gives wrong results here: {instead} instead")
     return ok
 
 
@@ -234,36 +248,27 @@ def fused_gelu() -> bool:
 
 
 def _build_fused_gelu() -> bool:
-    from .. import accel
-    suffix, cflags = accel.own_kernel_target()
-    if suffix and "fma" in accel.cpu_flags():
-        suffix, cflags = suffix + "_fma", [*cflags, "-mfma"]  # (the polynomials: one rounding per step, and faster)
-    try:
-        loaded = hasattr(torch.ops.attnlab, "gelu_and_slope")
-        why_not = accel.build_torch_ops("attnlab_gelu" + suffix, "gelu.cpp", cflags, "gelu_and_slope")
-        if why_not:
-            accel._once("gelu-tools", f"attnlab's GELU kernel: {why_not}; F.gelu instead")
-            return False
-        if not loaded:
-            @torch.library.register_fake("attnlab::gelu_and_slope")
-            def _(h):  # the shape function, for fake tensors
-                return (torch.empty_like(h, memory_format=torch.contiguous_format),
-                        torch.empty_like(h, memory_format=torch.contiguous_format))
-        # checked against the closed forms in float64, not through autograd: the first call may come from inside
-        # a forward that saved-tensor hooks watch (torch.utils.checkpoint), or under no_grad
+    def check():
+        # against the closed forms in float64, not through autograd: the first call may come from inside a forward
+        # that saved-tensor hooks watch (torch.utils.checkpoint), or under no_grad
         x = torch.linspace(-10, 10, 4001, dtype=torch.float32, device="cpu")  # (whatever the process's defaults)
         out, slope = torch.ops.attnlab.gelu_and_slope(x)
         x64 = x.double()
         cdf = 0.5 * (1 + torch.erf(x64 / 2 ** 0.5))
-        ok = bool(torch.allclose(out.double(), x64 * cdf, rtol=1e-5, atol=2e-6)
-                  and torch.allclose(slope.double(), cdf + x64 * torch.exp(-x64 * x64 / 2) / (2 * torch.pi) ** 0.5,
-                                     rtol=1e-5, atol=2e-6))
-    except Exception as e:  # a compiler that cannot build it, a failed load
-        accel._once("gelu-build", f"attnlab's GELU kernel did not build ({str(e).strip().splitlines()[:2]}): F.gelu instead")
-        return False
-    if not ok:
-        accel._once("gelu-wrong", "attnlab's GELU kernel gives wrong results here: F.gelu instead")
-    return ok
+        return bool(torch.allclose(out.double(), x64 * cdf, rtol=1e-5, atol=2e-6)
+                    and torch.allclose(slope.double(), cdf + x64 * torch.exp(-x64 * x64 / 2) / (2 * torch.pi) ** 0.5,
+                                       rtol=1e-5, atol=2e-6))
+
+    def gelu_and_slope(h):
+        return (torch.empty_like(h, memory_format=torch.contiguous_format),
+                torch.empty_like(h, memory_format=torch.contiguous_format))
+
+    from .. import accel
+    suffix, cflags = accel.own_kernel_target()
+    if suffix and "fma" in accel.cpu_flags():
+        suffix, cflags = suffix + "_fma", [*cflags, "-mfma"]  # (the polynomials: one rounding per step, and faster)
+    return _own_kernel("GELU kernel", "F.gelu", "attnlab_gelu" + suffix, "gelu.cpp", cflags,
+                       {"gelu_and_slope": gelu_and_slope}, check)
 
 
 ACTIVATIONS = {
