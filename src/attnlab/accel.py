@@ -494,6 +494,14 @@ class OneDNNLinear(torch.autograd.Function):
         return dx, dw, db
 
 
+def eager_autograd() -> bool:
+    """Whether an operation runs under plain eager autograd, where a Python ``autograd.Function`` over one of
+    attnlab's own CPU operators can serve: not while ``torch.compile`` traces (inductor picks its own kernels),
+    not under ``torch.func`` transforms, forward-mode AD or ``torch.jit.trace``."""
+    return (not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+            and not torch.jit.is_tracing() and getattr(torch.autograd.forward_ad, "_current_level", 0) < 0)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, with oneDNN's GEMM for fp32 products that need gradients on CPUs where it is the
     faster (:func:`onednn_training_gemm_ok`): eager autograd only, so outside autocast (which picks its
@@ -502,10 +510,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and x.dim() >= 2 and x.shape[-1]
             and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active() and not torch.jit.is_tracing()
-            and getattr(torch.autograd.forward_ad, "_current_level", 0) < 0
-            and onednn_training_gemm_ok()):
+            and not torch.is_autocast_enabled("cpu") and eager_autograd() and onednn_training_gemm_ok()):
         return OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -174,9 +174,10 @@ def _own_kernel(what: str, instead: str, library: str, source: str, cflags: list
     (``fakes``: name → function, for tracing and fake tensors) registered the first time, and ``check()`` true.
     Otherwise False, said once (no compiler or ninja, a failed build, wrong results), and ``instead`` serves."""
     from .. import accel
+    first_op = next(iter(fakes))
     try:
-        loaded = hasattr(torch.ops.attnlab, next(iter(fakes)))
-        why_not = accel.build_torch_ops(library, source, cflags, next(iter(fakes)))
+        loaded = hasattr(torch.ops.attnlab, first_op)
+        why_not = accel.build_torch_ops(library, source, cflags, first_op)
         if why_not:
             accel._once(f"{source}-tools", f"attnlab's {what}: {why_not}; {instead} instead")
             return False
@@ -209,11 +210,10 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     Equal to ``F.gelu`` and its gradient to ~1e-6 (tests/test_pitfalls.py, against float64). Eager autograd
     only (not under ``torch.compile``, which fuses ``F.gelu`` itself, ``torch.jit`` tracing, ``torch.func``
     transforms or forward-mode AD), and no second derivative: x is not kept."""
+    from .. import accel
     if (x.dtype == torch.float32 and x.device.type == "cpu" and x.requires_grad and torch.is_grad_enabled()
             and x.is_contiguous()  # (a view, such as a GLU's gate, would cost a copy and a slope kept beside it)
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and not torch._C._are_functorch_transforms_active()
-            and getattr(torch.autograd.forward_ad, "_current_level", 0) < 0 and fused_gelu()):
+            and accel.eager_autograd() and fused_gelu()):
         return _GeluWithSlope.apply(x)
     return F.gelu(x)
 
