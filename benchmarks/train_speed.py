@@ -39,6 +39,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2] [--heap tools|kept|default] [--profile]
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
+    python benchmarks/train_speed.py --gelu [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]  # GELU kernel vs F.gelu
     python benchmarks/train_speed.py --as-avx2 [--steps 5] [--rounds 3] [--nanogpt ~/nanoGPT]  # an AVX2-only CPU's stand-in
     PYTHONPATH=src python3 benchmarks/train_speed.py --device cuda --dtype bf16 --steps 20 --rounds 3 --profile  # a GPU
     python benchmarks/train_speed.py --attention-products [--shapes small,large] [--rounds 3]  # bf16 vs fp32 products in ShortAttention
@@ -511,6 +512,28 @@ def gemm_table(args) -> dict:
     return out
 
 
+def gelu_table(args) -> dict:
+    """attnlab's fp32 steps on ``--shapes`` (Marian's GELU) and, where ``--data`` has Tiny Shakespeare, the
+    trainer's update of nanoGPT's model, with attnlab's GELU kernel (``csrc/gelu.cpp``, ``layers.gelu``) and with
+    ``F.gelu`` (the kernel's cached answer switched off: the dropout kernel stays as it is), in turns."""
+    from attnlab.model import layers
+    if not layers.fused_gelu():
+        return {"skipped": "attnlab's GELU kernel does not build here (no C++ compiler or ninja, not Linux, "
+                           "or ATTNLAB_OWN_KERNELS=0)"}
+    paths = {"kernel_ms": contextlib.nullcontext, "f_gelu_ms": lambda: mock.patch.dict(layers._GELU, {"ok": False})}
+
+    def row(step, n) -> dict:
+        r = in_turns(step, n, args.rounds, paths)
+        return {**r, "f_gelu_over_kernel": round(r["f_gelu_ms"] / r["kernel_ms"], 3)}
+
+    out = {f"step {name} fp32": row(step, args.steps) for name, step in attnlab_shape_steps(args, False)}
+    work = shakespeare_text(args)
+    if work is not None:
+        trainer = lm_trainer(str(work / "input.txt"), str(work / "gelu_lm"), 10 ** 6, False, args.threads, False)
+        out["nanogpt update fp32"] = row(lambda: trainer._update(1e-3), max(3, args.steps * 10))
+    return out
+
+
 def attention_products_table(args) -> dict:
     """ShortAttention under bf16 autocast (CPUs with native bf16): its P·V and input-gradient products in bf16
     (what it does there for heads of ``attention.BF16_PRODUCTS_MIN_HEAD_DIM`` or more) against all six in fp32
@@ -654,20 +677,29 @@ WARMUP_ITERS = 10
 
 # attnlab's side: the trainer of `attnlab train --task lm --preset shakespeare-char` (the arguments of
 # benchmarks/shakespeare_nanogpt.py), every update timed like nanoGPT's loop times its iterations.
+def lm_trainer(text: str, out: str, iters: int, bf16: bool, threads: int | None, compile: bool):
+    """attnlab's trainer set up as ``attnlab train --task lm --preset shakespeare-char`` (nanoGPT's CPU recipe),
+    its model in training mode: ``trainer._update(lr)`` is one timed update."""
+    from attnlab.train.options import TrainArgs
+    from attnlab.train.trainer import Trainer
+    args = TrainArgs(task="lm", train=text, out=out, preset="shakespeare-char", tokenizer="char", block_size=64,
+                     batch_size=12, max_steps=iters, lr=1e-3, min_lr=1e-4, schedule="cosine", warmup=100,
+                     betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, clip_norm=1.0, eval_every=0, save_every=0,
+                     progress=False, bf16=bf16, threads=threads or None, compile=compile)
+    trainer = Trainer(args, log=lambda *a: None)
+    trainer.setup()
+    trainer.model.train()
+    trainer._stats = {"tokens": 0, "loss_sum": 0.0, "loss_n": 0, "since": time.time()}
+    return trainer
+
+
 _ATTNLAB_LM_STEP = """
 import json, sys, time, torch
-from attnlab.train.options import TrainArgs
-from attnlab.train.trainer import Trainer
 side = json.loads(sys.argv[1])  # text, out, iters, bf16, threads, compile, profile (updates; 0: none), benchmarks
+sys.path.append(side["benchmarks"])
+from train_speed import lm_trainer, profile_units
 iters = side["iters"]
-args = TrainArgs(task="lm", train=side["text"], out=side["out"], preset="shakespeare-char", tokenizer="char", block_size=64,
-                 batch_size=12, max_steps=iters, lr=1e-3, min_lr=1e-4, schedule="cosine", warmup=100, betas=[0.9, 0.99],
-                 eps=1e-8, weight_decay=0.1, clip_norm=1.0, eval_every=0, save_every=0, progress=False, bf16=side["bf16"],
-                 threads=side["threads"] or None, compile=side["compile"])
-trainer = Trainer(args, log=lambda *a: None)
-trainer.setup()
-trainer.model.train()
-trainer._stats = {"tokens": 0, "loss_sum": 0.0, "loss_n": 0, "since": time.time()}
+trainer = lm_trainer(side["text"], side["out"], iters, side["bf16"], side["threads"], side["compile"])
 times, t0 = [], time.time()
 for _ in range(iters):
     trainer._update(1e-3)
@@ -676,11 +708,24 @@ for _ in range(iters):
     t0 = t1
 profiled = {}
 if side["profile"]:  # --profile: the products' share of the update (train_speed.profile_units)
-    sys.path.append(side["benchmarks"])
-    from train_speed import profile_units
     profiled = profile_units(lambda: trainer._update(1e-3), side["profile"])
 print(json.dumps({"ms": [round(t * 1e3, 3) for t in times], "bf16": trainer.bf16, "profile": profiled}))
 """
+
+
+def shakespeare_text(args) -> Path | None:
+    """``--workdir``, with Tiny Shakespeare from ``--data`` (input.txt or input.txt.gz) written to its input.txt;
+    None where ``--data`` has neither."""
+    data, work = Path(args.data), Path(args.workdir)
+    if (data / "input.txt.gz").exists():
+        text = gzip.open(data / "input.txt.gz", "rt", encoding="utf-8").read()
+    elif (data / "input.txt").exists():
+        text = (data / "input.txt").read_text(encoding="utf-8")
+    else:
+        return None
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "input.txt").write_text(text, encoding="utf-8")
+    return work
 
 
 def nanogpt_step(args) -> dict:
@@ -688,12 +733,9 @@ def nanogpt_step(args) -> dict:
     ng = Path(args.nanogpt).resolve()
     if not (ng / "train.py").exists():
         raise SystemExit(f"--nanogpt {ng}: no train.py there (a checkout of karpathy/nanoGPT is expected)")
-    data = Path(args.data)
-    text = (gzip.open(data / "input.txt.gz", "rt", encoding="utf-8").read() if (data / "input.txt.gz").exists()
-            else (data / "input.txt").read_text(encoding="utf-8"))
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "input.txt").write_text(text, encoding="utf-8")
+    work = shakespeare_text(args)
+    if work is None:
+        raise SystemExit(f"--data {args.data}: no input.txt(.gz) of Tiny Shakespeare there")
     data_dir = ng / "data" / "shakespeare_char"
     shutil.copy(work / "input.txt", data_dir / "input.txt")  # prepare.py downloads only if absent
     subprocess.run([sys.executable, "prepare.py"], cwd=data_dir, check=True, capture_output=True)
@@ -776,6 +818,9 @@ def main():
     ap.add_argument("--attention-shapes", default=None, help="--attention: comma-separated names (default: all)")
     ap.add_argument("--dropout", action="store_true",
                     help="time attnlab's dropout kernel against its torch path (activations, and steps of --shapes)")
+    ap.add_argument("--gelu", action="store_true",
+                    help="time attnlab's fp32 steps of --shapes and nanoGPT's update with attnlab's GELU kernel "
+                         "against F.gelu, in turns")
     ap.add_argument("--gemm", action="store_true",
                     help="time attnlab's fp32 steps of --shapes on oneDNN's GEMM against MKL's, in turns")
     ap.add_argument("--attention-products", action="store_true",
@@ -814,10 +859,10 @@ def main():
     if device.type not in ("cpu", "cuda", "mps"):
         raise SystemExit(f"--device {args.device}: cpu, cuda or mps (a device the step can be trained and timed on)")
     args.device = str(device)
-    if device.type != "cpu" and (args.nanogpt or args.corpus or args.attention or args.dropout or args.gemm
+    if device.type != "cpu" and (args.nanogpt or args.corpus or args.attention or args.dropout or args.gemm or args.gelu
                                  or args.attention_products):
         raise SystemExit(f"--device {args.device}: only the step tables (--shapes) run there; --nanogpt, --corpus, "
-                         "--attention, --dropout, --gemm and --attention-products are CPU tables")
+                         "--attention, --dropout, --gemm, --gelu and --attention-products are CPU tables")
     if args.peak_size is None:
         args.peak_size = 2048 if device.type == "cpu" else 8192
     if args.threads:
@@ -831,7 +876,7 @@ def main():
     dtypes = {"both": [False] + ([True] if accel.bf16_native(device) else []), "fp32": [False], "bf16": [True]}[args.dtype]
     if True in dtypes and not accel.bf16_native(device):
         raise SystemExit(f"--dtype bf16: {args.device} has no native bf16 here (emulated bf16 is not a row)")
-    shapes = ([] if args.shapes == "none" or args.dropout or args.gemm or args.attention_products  # (their own steps)
+    shapes = ([] if args.shapes == "none" or args.dropout or args.gemm or args.gelu or args.attention_products  # (their own steps)
               else args.shapes.split(","))
     for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size, args.device)
@@ -847,6 +892,9 @@ def main():
     if args.dropout:
         results["dropout"] = dropout_table(args)
         print("dropout", json.dumps(results["dropout"]), flush=True)
+    if args.gelu:
+        results["gelu"] = gelu_table(args)
+        print("gelu", json.dumps(results["gelu"]), flush=True)
     if args.gemm:
         results["gemm"] = gemm_table(args)
         print("gemm", json.dumps(results["gemm"]), flush=True)
