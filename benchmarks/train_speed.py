@@ -515,12 +515,19 @@ def gemm_table(args) -> dict:
 def gelu_table(args) -> dict:
     """attnlab's fp32 steps on ``--shapes`` (Marian's GELU) and, where ``--data`` has Tiny Shakespeare, the
     trainer's update of nanoGPT's model, with attnlab's GELU kernel (``csrc/gelu.cpp``, ``layers.gelu``) and with
-    ``F.gelu`` (the kernel's cached answer switched off: the dropout kernel stays as it is), in turns."""
+    ``F.gelu`` (the kernel's cached answer switched off: the dropout kernel stays on), in turns."""
     from attnlab.model import layers
-    if not layers.fused_gelu():
-        return {"skipped": "attnlab's GELU kernel does not build here (no C++ compiler or ninja, not Linux, "
-                           "or ATTNLAB_OWN_KERNELS=0)"}
-    paths = {"kernel_ms": contextlib.nullcontext, "f_gelu_ms": lambda: mock.patch.dict(layers._GELU, {"ok": False})}
+
+    @contextlib.contextmanager
+    def kernels(gelu: bool):  # attnlab's own kernels on (as --dropout does, whatever the environment says), GELU's or not
+        with mock.patch.dict(os.environ, {"ATTNLAB_OWN_KERNELS": "1"}), \
+                (contextlib.nullcontext() if gelu else mock.patch.dict(layers._GELU, {"ok": False})):
+            yield
+
+    with kernels(True):
+        if not layers.fused_gelu():
+            return {"skipped": "attnlab's GELU kernel does not build here (no C++ compiler or ninja, or not Linux)"}
+    paths = {"kernel_ms": lambda: kernels(True), "f_gelu_ms": lambda: kernels(False)}
 
     def row(step, n) -> dict:
         r = in_turns(step, n, args.rounds, paths)
