@@ -40,6 +40,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2] [--heap tools|kept|default] [--profile]
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
     python benchmarks/train_speed.py --gelu [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]  # GELU kernel vs F.gelu
+    python benchmarks/train_speed.py --attention-kernel [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]
     python benchmarks/train_speed.py --as-avx2 [--steps 5] [--rounds 3] [--nanogpt ~/nanoGPT]  # an AVX2-only CPU's stand-in
     PYTHONPATH=src python3 benchmarks/train_speed.py --device cuda --dtype bf16 --steps 20 --rounds 3 --profile  # a GPU
     python benchmarks/train_speed.py --attention-products [--shapes small,large] [--rounds 3]  # bf16 vs fp32 products in ShortAttention
@@ -512,33 +513,44 @@ def gemm_table(args) -> dict:
     return out
 
 
-def gelu_table(args) -> dict:
-    """attnlab's fp32 steps on ``--shapes`` (Marian's GELU) and, where ``--data`` has Tiny Shakespeare, the
-    trainer's update of nanoGPT's model, with attnlab's GELU kernel (``csrc/gelu.cpp``, ``layers.gelu``) and with
-    ``F.gelu`` (the kernel's cached answer switched off: the dropout kernel stays on), in turns."""
-    from attnlab.model import layers
-
+def own_kernel_table(args, what: str, cache: dict, built, other: str) -> dict:
+    """attnlab's fp32 steps on ``--shapes`` and, where ``--data`` has Tiny Shakespeare, the trainer's update of
+    nanoGPT's model, with one of attnlab's own kernels (``built()``: whether it serves; ``cache``: its cached
+    answer) and without it (that answer switched off, so ``other`` serves; the other own kernels stay on), in
+    turns. Rows: ``kernel_ms``, ``<other>_ms`` and ``<other>_over_kernel``."""
     @contextlib.contextmanager
-    def kernels(gelu: bool):  # attnlab's own kernels on (as --dropout does, whatever the environment says), GELU's or not
+    def kernels(on: bool):  # attnlab's own kernels on (as --dropout does, whatever the environment says), this one or not
         with mock.patch.dict(os.environ, {"ATTNLAB_OWN_KERNELS": "1"}), \
-                (contextlib.nullcontext() if gelu else mock.patch.dict(layers._GELU, {"ok": False})):
+                (contextlib.nullcontext() if on else mock.patch.dict(cache, {"ok": False})):
             yield
 
     with kernels(True):
-        if not layers.fused_gelu():
-            return {"skipped": "attnlab's GELU kernel does not build here (no C++ compiler or ninja, or not Linux)"}
-    paths = {"kernel_ms": lambda: kernels(True), "f_gelu_ms": lambda: kernels(False)}
+        if not built():
+            return {"skipped": f"attnlab's {what} does not build here (no C++ compiler or ninja, or not Linux)"}
+    paths = {"kernel_ms": lambda: kernels(True), f"{other}_ms": lambda: kernels(False)}
 
     def row(step, n) -> dict:
         r = in_turns(step, n, args.rounds, paths)
-        return {**r, "f_gelu_over_kernel": round(r["f_gelu_ms"] / r["kernel_ms"], 3)}
+        return {**r, f"{other}_over_kernel": round(r[f"{other}_ms"] / r["kernel_ms"], 3)}
 
     out = {f"step {name} fp32": row(step, args.steps) for name, step in attnlab_shape_steps(args, False)}
     work = shakespeare_text(args)
     if work is not None:
-        trainer = lm_trainer(str(work / "input.txt"), str(work / "gelu_lm"), 10 ** 6, False, args.threads, False)
+        trainer = lm_trainer(str(work / "input.txt"), str(work / "kernel_lm"), 10 ** 6, False, args.threads, False)
         out["nanogpt update fp32"] = row(lambda: trainer._update(1e-3), max(3, args.steps * 10))
     return out
+
+
+def gelu_table(args) -> dict:
+    """``own_kernel_table`` for attnlab's GELU kernel (``csrc/gelu.cpp``, ``layers.gelu``) against ``F.gelu``."""
+    from attnlab.model import layers
+    return own_kernel_table(args, "GELU kernel", layers._GELU, layers.fused_gelu, "f_gelu")
+
+
+def attention_kernel_table(args) -> dict:
+    """``own_kernel_table`` for attnlab's attention kernel (``csrc/short_attention.cpp``) against ShortAttention's
+    torch ops (batched matmuls, softmax, the heads' copies)."""
+    return own_kernel_table(args, "attention kernel", attention._SHORT, attention.fused_short_attention, "torch_ops")
 
 
 def attention_products_table(args) -> dict:
@@ -575,7 +587,7 @@ def attention_products_table(args) -> dict:
         def attend(dtype, products=True):
             ins = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]  # (fresh leaves, no grad)
             with contextlib.nullcontext() if products else mock.patch.object(short, "product_dtype", fp32_products):
-                o = short.apply(*ins, None, hd ** -0.5)
+                o = short.apply(*ins, None, hd ** -0.5, False)
             o.backward(grad.to(dtype))
             return [o.detach()] + [t.grad for t in ins]
         exact = attend(torch.float64)
@@ -828,6 +840,9 @@ def main():
     ap.add_argument("--gelu", action="store_true",
                     help="time attnlab's fp32 steps of --shapes and nanoGPT's update with attnlab's GELU kernel "
                          "against F.gelu, in turns")
+    ap.add_argument("--attention-kernel", action="store_true",
+                    help="time attnlab's fp32 steps of --shapes and nanoGPT's update with attnlab's attention kernel "
+                         "against ShortAttention's torch ops, in turns")
     ap.add_argument("--gemm", action="store_true",
                     help="time attnlab's fp32 steps of --shapes on oneDNN's GEMM against MKL's, in turns")
     ap.add_argument("--attention-products", action="store_true",
@@ -867,9 +882,10 @@ def main():
         raise SystemExit(f"--device {args.device}: cpu, cuda or mps (a device the step can be trained and timed on)")
     args.device = str(device)
     if device.type != "cpu" and (args.nanogpt or args.corpus or args.attention or args.dropout or args.gemm or args.gelu
-                                 or args.attention_products):
+                                 or args.attention_kernel or args.attention_products):
         raise SystemExit(f"--device {args.device}: only the step tables (--shapes) run there; --nanogpt, --corpus, "
-                         "--attention, --dropout, --gemm, --gelu and --attention-products are CPU tables")
+                         "--attention, --dropout, --gemm, --gelu, --attention-kernel and --attention-products are "
+                         "CPU tables")
     if args.peak_size is None:
         args.peak_size = 2048 if device.type == "cpu" else 8192
     if args.threads:
@@ -883,8 +899,8 @@ def main():
     dtypes = {"both": [False] + ([True] if accel.bf16_native(device) else []), "fp32": [False], "bf16": [True]}[args.dtype]
     if True in dtypes and not accel.bf16_native(device):
         raise SystemExit(f"--dtype bf16: {args.device} has no native bf16 here (emulated bf16 is not a row)")
-    shapes = ([] if args.shapes == "none" or args.dropout or args.gemm or args.gelu or args.attention_products  # (their own steps)
-              else args.shapes.split(","))
+    shapes = ([] if args.shapes == "none" or args.dropout or args.gemm or args.gelu or args.attention_kernel
+              or args.attention_products else args.shapes.split(","))  # (those have their own steps)
     for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size, args.device)
         results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
@@ -902,6 +918,9 @@ def main():
     if args.gelu:
         results["gelu"] = gelu_table(args)
         print("gelu", json.dumps(results["gelu"]), flush=True)
+    if args.attention_kernel:
+        results["attention_kernel"] = attention_kernel_table(args)
+        print("attention_kernel", json.dumps(results["attention_kernel"]), flush=True)
     if args.gemm:
         results["gemm"] = gemm_table(args)
         print("gemm", json.dumps(results["gemm"]), flush=True)

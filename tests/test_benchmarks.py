@@ -191,23 +191,25 @@ def test_train_speed_dropout_table_runs():
         assert row["torch_over_kernel"] == round(row["torch_ms"] / row["kernel_ms"], 3)
 
 
-def test_train_speed_gelu_table_runs(tmp_path):
-    """train_speed.py --gelu: attnlab's GELU kernel against F.gelu in turns, on a whole (tiny) Marian step and on
-    the trainer's update of nanoGPT's model (a small text given as --data), and their ratio."""
+@pytest.mark.parametrize("flag, other", [("--gelu", "f_gelu"), ("--attention-kernel", "torch_ops")])
+def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
+    """train_speed.py --gelu / --attention-kernel: attnlab's GELU or attention kernel against F.gelu or
+    ShortAttention's torch ops in turns, on a whole (tiny) Marian step and on the trainer's update of nanoGPT's
+    model (a small text given as --data), and their ratio."""
     import platform
     if platform.system() != "Linux" or not (shutil.which("g++") or shutil.which("c++")):
-        pytest.skip("attnlab's GELU kernel is built on Linux with a C++ compiler")
+        pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--gelu", "--shapes", "tiny",
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), flag, "--shapes", "tiny",
                           "--steps", "1", "--rounds", "2", "--threads", "1", "--data", str(tmp_path / "data"),
                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    table = json.loads(res.stdout.strip().splitlines()[-1])["gelu"]
+    table = json.loads(res.stdout.strip().splitlines()[-1])[flag[2:].replace("-", "_")]
     assert set(table) == {"step tiny fp32", "nanogpt update fp32"}
     for row in table.values():
-        assert row["kernel_ms"] > 0 and row["f_gelu_ms"] > 0
-        assert row["f_gelu_over_kernel"] == round(row["f_gelu_ms"] / row["kernel_ms"], 3)
+        assert row["kernel_ms"] > 0 and row[f"{other}_ms"] > 0
+        assert row[f"{other}_over_kernel"] == round(row[f"{other}_ms"] / row["kernel_ms"], 3)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])

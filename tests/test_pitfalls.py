@@ -152,11 +152,39 @@ def _graph_nodes(t) -> set[str]:
     return set(seen.values())
 
 
+def _attention_path(monkeypatch, path):
+    """``kernel``: ShortAttention's fp32 inputs take attnlab's kernel (skipped where it cannot build); ``torch``:
+    its torch path (the kernel's cached answer switched off; the other kernels stay as they are)."""
+    from attnlab.model import attention
+    if path == "torch":
+        monkeypatch.setattr(attention, "_SHORT", {"ok": False})
+    else:
+        _dropout_path(monkeypatch, "kernel")
+        assert attention.fused_short_attention()  # (where the tools are, a failed build or check fails here)
+
+
+def _short_attention_kernel_used(out, each: bool = False):
+    """{whether each ShortAttention in out's graph ran on attnlab's kernel} (``each``: a list, one per attention)."""
+    seen, todo, used = set(), [out.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__ == "ShortAttentionBackward":
+            used.append(fn.kernel)
+        todo += [f for f, _ in fn.next_functions]
+    return used if each else set(used)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("case", ["causal", "padding", "gqa_causal_padding", "shifted_causal", "empty_rows"])
-def test_short_key_training_attention_equals_the_oracle(case):
-    """Training on CPU with ≤ SHORT_KEYS keys takes ShortAttention (two batched matmuls and a softmax, hand-written
-    backward): its output and the gradients of q, k, v equal a float64 oracle's, for every mask kind."""
+def test_short_key_training_attention_equals_the_oracle(monkeypatch, case, path):
+    """Training on CPU with ≤ SHORT_KEYS keys takes ShortAttention (attnlab's kernel for fp32, or two batched matmuls
+    and a softmax, hand-written backward): its output and the gradients of q, k, v equal a float64 oracle's, for
+    every mask kind, on both paths (the kernel's causal skipping among them: shifted, and with padding)."""
     from attnlab.model.attention import SHORT_KEYS, padding_mask
+    _attention_path(monkeypatch, path)
     torch.manual_seed(0)
     B, h, kv, Tq, Tk = 3, 4, 4, 12, 12
     is_causal, mask = False, None
@@ -187,7 +215,7 @@ def test_short_key_training_attention_equals_the_oracle(case):
     ref.backward(grad.double())
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     out, _ = scaled_dot_product_attention(*ins, mask=mask, is_causal=is_causal)
-    assert "ShortAttentionBackward" in _graph_nodes(out)
+    assert _short_attention_kernel_used(out) == {path == "kernel"}
     assert out.transpose(1, 2).is_contiguous()  # in the (B, T, h, hd) memory the heads are merged from: no copy there
     out.backward(grad)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -195,6 +223,13 @@ def test_short_key_training_attention_equals_the_oracle(case):
         torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
     if case == "empty_rows":
         assert torch.equal(out[2, :, :4], torch.zeros_like(out[2, :, :4]))
+    # a gradient that is a broadcast view (out.sum()'s: every stride 0)
+    summed = [t.clone().requires_grad_() for t in (q, k, v)]
+    scaled_dot_product_attention(*summed, mask=mask, is_causal=is_causal)[0].sum().backward()
+    summed_ref = [t.double().requires_grad_() for t in (q, k, v)]
+    _attention_oracle(*summed_ref, full).sum().backward()
+    for got, want in zip(summed, summed_ref):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
     if Tq != Tk:
         return
     # the gradients of q, k, v split from one projection, as the model does: each comes back in the (B, T, h, hd)
@@ -209,17 +244,20 @@ def test_short_key_training_attention_equals_the_oracle(case):
     half = qkv.detach().bfloat16().requires_grad_()  # in bf16 the same layout, cast in the same copy
     views = [t.view(B, t.shape[1], -1, 8).transpose(1, 2) for t in half.split([h * 8, kv * 8, kv * 8], -1)]
     out3, _ = scaled_dot_product_attention(*views, mask=mask, is_causal=is_causal)
+    assert _short_attention_kernel_used(out3) == {False}  # (the kernel is fp32 only)
     for got in torch.autograd.grad(out3, views, grad.bfloat16()):
         assert got.dtype == torch.bfloat16 and got.transpose(1, 2).is_contiguous()
 
 
-def test_short_key_training_attention_edge_cases():
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_short_key_training_attention_edge_cases(monkeypatch, path):
     """ShortAttention beside the oracle where the model's callers differ from the plain case: a float bias
     and scale=1 (ALiBi), a learned bias and its gradient (T5), a per-query (B, 1, Tq, Tk) mask, non-contiguous views,
     gradients for q only, fewer queries than keys under is_causal (aligned as causal_mask, in training
     and inference alike), bf16 inputs with GQA and a learned bias (fp32 inside, bf16 out and back), fp16 inputs
     (computed in fp32: finite where fp16 scores would overflow), and a second derivative, which it refuses
-    rather than gets wrong."""
+    rather than gets wrong. On both paths: a learned bias and half precision keep the torch path."""
+    _attention_path(monkeypatch, path)
     torch.manual_seed(0)
     B, h, T, hd = 2, 4, 10, 8
     qkv = torch.randn(B, T, 3 * h * hd)
@@ -231,7 +269,7 @@ def test_short_key_training_attention_edge_cases():
         for grads in ((True, True, True), (True, False, False)):
             ins = [t.clone().requires_grad_(g) for t, g in zip((q, k, v), grads)]
             out, _ = scaled_dot_product_attention(*ins, **kw)
-            assert "ShortAttentionBackward" in _graph_nodes(out)
+            assert _short_attention_kernel_used(out) == {path == "kernel"}
             ref_in = [t.double().requires_grad_(g) for t, g in zip((q, k, v), grads)]
             ref = _attention_oracle(*ref_in, **kw)
             torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -248,7 +286,7 @@ def test_short_key_training_attention_edge_cases():
     learned, ref_bias = bias.clone().requires_grad_(), bias.double().requires_grad_()
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     out, _ = scaled_dot_product_attention(*ins, mask=tok[:, None, None, :], bias=learned, scale=1.0)
-    assert "ShortAttentionBackward" in _graph_nodes(out)
+    assert _short_attention_kernel_used(out) == {False}  # (a bias with a gradient: the torch path)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
     ref = _attention_oracle(*ref_in, tok[:, None, None, :], bias=ref_bias, scale=1.0)
     grad = torch.randn_like(out)
@@ -262,7 +300,7 @@ def test_short_key_training_attention_edge_cases():
     half = [t.bfloat16().requires_grad_() for t in (q, k[:, :2], v[:, :2])]
     learned = bias.bfloat16().requires_grad_()
     out, _ = scaled_dot_product_attention(*half, mask=tok[:, None, None, :], bias=learned, scale=1.0)
-    assert "ShortAttentionBackward" in _graph_nodes(out) and out.dtype == torch.bfloat16
+    assert _short_attention_kernel_used(out) == {False} and out.dtype == torch.bfloat16
     ref_in = [t.detach().double().requires_grad_() for t in half]
     ref_bias = learned.detach().double().requires_grad_()
     ref = _attention_oracle(*ref_in, tok[:, None, None, :], bias=ref_bias, scale=1.0)
@@ -289,6 +327,50 @@ def test_short_key_training_attention_edge_cases():
     (gq,) = torch.autograd.grad(out.square().sum(), ins[0], create_graph=True)
     with pytest.raises(RuntimeError):
         gq.sum().backward()
+
+
+@pytest.mark.parametrize("preset", ["mt-tiny", "llama-mini", "vit-mnist"])
+def test_attention_kernel_trains_the_model_as_the_torch_path_does(monkeypatch, preset):
+    """Whole models in training: the loss and every gradient with attnlab's attention kernel equal those of
+    ShortAttention's torch path to fp32 rounding, and every attention of the model ran on the kernel. An
+    encoder-decoder over padded sources and targets (padding, causal skipping with padding, cross-attention with
+    fewer keys than queries), a Llama (GQA, RoPE, a padded batch) and a ViT (50 tokens, heads of 16)."""
+    torch.manual_seed(0)
+    cfg = get_preset(preset, dropout=0.0, **({"vocab_size": 50} if preset != "vit-mnist" else {}))
+    model = build_model(cfg).train()
+    if preset == "mt-tiny":
+        src, tgt = torch.randint(4, 50, (3, 9)), torch.randint(4, 50, (3, 13))
+        src_ok, tgt_ok = torch.ones(3, 9, dtype=torch.bool), torch.ones(3, 13, dtype=torch.bool)
+        src_ok[1, -4:], tgt_ok[2, -5:] = False, False
+        attentions = cfg.n_encoder_layers + 2 * cfg.n_decoder_layers  # (self- and cross-attention)
+
+        def run():
+            return model(src, tgt, src_ok, tgt_ok).logsumexp(-1)[tgt_ok].mean()
+    elif preset == "llama-mini":
+        ids, ok = torch.randint(4, 50, (3, 17)), torch.ones(3, 17, dtype=torch.bool)
+        ok[0, :6] = False  # left padding
+        attentions = cfg.n_decoder_layers
+
+        def run():
+            return F.cross_entropy(model(ids, ok)[ok], ids[ok])
+    else:
+        images, attentions = torch.randn(3, 1, 28, 28), cfg.n_encoder_layers
+
+        def run():
+            return model(images).logsumexp(-1).mean()
+    results = {}
+    for path in ("kernel", "torch"):
+        _attention_path(monkeypatch, path)
+        model.zero_grad(set_to_none=True)
+        loss = run()
+        used = _short_attention_kernel_used(loss, each=True)
+        loss.backward()
+        results[path] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], used)
+    assert results["kernel"][2] == [True] * attentions and results["torch"][2] == [False] * attentions
+    assert torch.allclose(results["kernel"][0], results["torch"][0], rtol=1e-5)
+    assert len(results["kernel"][1]) == len(results["torch"][1]) > 10
+    for a, b in zip(results["kernel"][1], results["torch"][1]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
 
 
 def test_attention_keeps_the_fused_kernel_outside_short_key_training():
@@ -320,6 +402,9 @@ def test_bf16_training_attention_on_cpu(monkeypatch):
         with monkeypatch.context() as env:
             if not native:
                 env.setenv("ATTNLAB_NO_BF16", "1")
+            # (the fp32 reference on ShortAttention's torch path, which bf16 inputs take: attnlab's attention
+            # kernel, fp32 only, computes the same function with other roundings)
+            env.setenv("ATTNLAB_OWN_KERNELS", "0")
             _check_bf16_training_attention(Tk, native)
 
 
@@ -376,10 +461,10 @@ def test_short_attention_bf16_products_keep_fp32_scores():
     oracle = _attention_oracle(*oracle_in[:3], bias=oracle_in[3])
     oracle.backward(grad.double())
     fp32_in = [t.float().requires_grad_() for t in (q, k, v, bias)]
-    fp32 = ShortAttention.apply(*fp32_in, 1 / math.sqrt(hd))
+    fp32 = ShortAttention.apply(*fp32_in, 1 / math.sqrt(hd), False)
     fp32.backward(grad.float())
     half_in = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-    out = ShortAttention.apply(*half_in, 1 / math.sqrt(hd))
+    out = ShortAttention.apply(*half_in, 1 / math.sqrt(hd), False)
     out.backward(grad)
     assert out.dtype == torch.bfloat16 and out.transpose(1, 2).is_contiguous()
 
@@ -556,11 +641,14 @@ def test_dropout_kernel_check_survives_other_defaults(monkeypatch):
         torch.set_default_dtype(torch.float32)
         torch.set_default_device(None)
     assert y.device.type == "cpu" and 350 < int((y == 0).sum()) < 650
-    monkeypatch.setattr(layers, "_GELU", {})  # the GELU kernel's check too
+    from attnlab.model import attention
+    monkeypatch.setattr(layers, "_GELU", {})  # the GELU and attention kernels' checks too
+    monkeypatch.setattr(attention, "_SHORT", {})
     try:
         torch.set_default_dtype(torch.float64)
         torch.set_default_device("meta")
         assert layers.fused_gelu()
+        assert attention.fused_short_attention()
     finally:
         torch.set_default_dtype(torch.float32)
         torch.set_default_device(None)
@@ -603,7 +691,7 @@ def test_gelu_kernel_first_use_inside_checkpoint_or_no_grad_or_fake_tensors(monk
     """The kernel's first-use check in a fresh process: asked first inside ``torch.utils.checkpoint`` (whose
     saved-tensor hooks once made a check through autograd recompute the forward, which asked again under the
     build's lock: a hang) and under ``no_grad`` (where that check found no gradient and cached "no kernel");
-    the operator's fake kernel lets fake tensors trace the model's FFN."""
+    the operators' fake kernels let fake tensors trace the model's FFN and short-key attention (forward and backward)."""
     import os
     import subprocess
     import sys
@@ -616,9 +704,15 @@ def test_gelu_kernel_first_use_inside_checkpoint_or_no_grad_or_fake_tensors(monk
             "layers._GELU.clear()\n"
             "with torch.no_grad():\n"
             "    ok = ok and layers.fused_gelu()\n"
+            "from attnlab.model import attention\n"
+            "ok = ok and attention.fused_short_attention()\n"
             "from torch._subclasses.fake_tensor import FakeTensorMode\n"
             "with FakeTensorMode():\n"
             "    f = layers.gelu(torch.randn(4, 32, requires_grad=True))\n"
+            "    qkv = [torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3)]\n"
+            "    a, _ = attention.scaled_dot_product_attention(*qkv, is_causal=True)\n"
+            "    a.sum().backward()\n"
+            "    ok = ok and tuple(a.shape) == (2, 4, 6, 8) and a.grad_fn.kernel and tuple(qkv[0].grad.shape) == (2, 4, 6, 8)\n"
             "print(ok, tuple(f.shape), x.grad.abs().sum().item() > 0)\n")
     env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_OWN_KERNELS"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

@@ -30,6 +30,7 @@ benchmarks' ``--as-avx2`` does); :func:`cpu_isa` then says "AVX2 (capped on ...)
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import platform
@@ -602,17 +603,21 @@ def built_once(cache: dict, lock: threading.Lock, build) -> bool:
     return cache["ok"]
 
 
-def own_kernel_target() -> tuple[str, list[str]]:
+def own_kernel_target(fma: bool = False) -> tuple[str, list[str]]:
     """(library name suffix, compiler flags) for attnlab's own CPU kernels (``csrc/``), for this CPU's vector
     extensions as PyTorch runs them (capped too): AVX-512, AVX2, or the compiler's baseline (SSE2 on x86, NEON
-    on ARM). The kernels are plain loops the compiler vectorises for these flags."""
+    on ARM). The kernels are plain loops the compiler vectorises for these flags. ``fma``: with fused
+    multiply-adds too where the CPU has them (one rounding per step of a polynomial or a product, and faster;
+    the dropout kernel, bit-exact to its torch path, goes without)."""
     capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2 (also when capped), or another
     flags = cpu_flags()
     if capability == "AVX512" and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2"} <= flags:
-        return "_avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2"]
-    if capability in ("AVX512", "AVX2") and "avx2" in flags:
-        return "_avx2", ["-mavx2"]
-    return "", []
+        suffix, cflags = "_avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2"]
+    elif capability in ("AVX512", "AVX2") and "avx2" in flags:
+        suffix, cflags = "_avx2", ["-mavx2"]
+    else:
+        return "", []
+    return (suffix + "_fma", [*cflags, "-mfma"]) if fma and "fma" in flags else (suffix, cflags)
 
 
 def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str | None:
@@ -626,10 +631,15 @@ def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str |
         return "no C++ compiler or no ninja (pip install ninja)"
     if hasattr(torch.ops.attnlab, op):
         return None
-    path = os.path.join(os.path.dirname(__file__), "csrc", source)
+    csrc = os.path.join(os.path.dirname(__file__), "csrc")
+    # the cache key hashes the source and the flags only: a digest of the shared headers (csrc/*.h) among the
+    # flags rebuilds a kernel whose header changed
+    headers = hashlib.sha256(b"".join(open(os.path.join(csrc, f), "rb").read()
+                                      for f in sorted(os.listdir(csrc)) if f.endswith(".h"))).hexdigest()[:12]
     # -fopenmp: at::parallel_for is PyTorch's OpenMP loop, serial in code built without it
-    cpp_extension.load(name=name, sources=[path], is_python_module=False,
-                       extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
+    cpp_extension.load(name=name, sources=[os.path.join(csrc, source)], is_python_module=False,
+                       extra_cflags=["-O3", *cflags, "-fopenmp", f"-DATTNLAB_CSRC_HEADERS={headers}"],
+                       extra_ldflags=["-fopenmp"])
     return None
 
 

@@ -14,6 +14,7 @@ import torch
 from . import quant
 from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
                     glibc_version, heap_setting_refused, onednn_linear_ops, onednn_training_gemm_ok, packed_linear_ok)
+from .model.attention import fused_short_attention
 from .model.layers import fused_dropout, fused_gelu
 
 
@@ -47,6 +48,7 @@ def report() -> dict:
         "own_quant_kernels_compiled": quant.own_kernels_in_compiled_step(),
         "own_dropout_kernel": fused_dropout(),  # (the same: built on first use)
         "own_gelu_kernel": fused_gelu(),
+        "own_attention_kernel": fused_short_attention(),
         "training_heap_refused": heap_setting_refused(),  # None: training keeps freed memory (accel.keep_freed_memory)
         "glibc": glibc_version(),
         "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE",
@@ -87,6 +89,9 @@ def doctor_text(r: dict | None = None) -> str:
         f"  dropout, training (CPU)       {dropout_path}",
         "  GELU, training (CPU, fp32)    " + ("attnlab's kernel (its slope kept for the backward)" if r["own_gelu_kernel"]
                                              else "F.gelu (attnlab's kernel: not built here or switched off)"),
+        "  short attention, train (CPU)  " + ("attnlab's kernel (fp32; bf16 and T5's learned bias: ShortAttention's "
+                                              "torch ops)" if r["own_attention_kernel"] else
+                                              "ShortAttention's torch ops (attnlab's kernel: not built here or switched off)"),
         "  freed memory, training (CPU)  " + (f"kept in the heap for the next step (glibc {r['glibc']} mallopt)"
                                              if r["training_heap_refused"] is None
                                              else f"the C library's default heap: {r['training_heap_refused']}"),

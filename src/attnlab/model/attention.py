@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import platform
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +67,7 @@ def scaled_dot_product_attention(
     explicit path that also returns the (B, h, Tq, Tk) attention weights.
     """
     h, kv = q.shape[1], k.shape[1]
+    causal_keys = is_causal  # (ShortAttention's kernel skips the hidden keys, folded into the mask or not)
     if is_causal and (mask is not None or bias is not None or need_weights or q.shape[2] != k.shape[2]):
         # (with fewer queries than keys the queries are the last positions: causal_mask's alignment,
         # which PyTorch's is_causal, aligned top-left, does not follow)
@@ -96,14 +99,12 @@ def scaled_dot_product_attention(
         attn_mask = (bias if mask is None else bias.masked_fill(~mask, float("-inf"))).to(scores_dtype)
 
     if short:
-        if is_causal:  # (no mask beside it: that case was folded above)
-            attn_mask = causal_mask(q.shape[2], k.shape[2], q.device)
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # ShortAttention adds its mask
             attn_mask = torch.zeros(attn_mask.shape, dtype=scores_dtype, device=q.device).masked_fill_(
                 ~attn_mask, float("-inf"))
         with torch.autocast("cpu", enabled=False):
             out = ShortAttention.apply(q, k, v, attn_mask,
-                                       1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+                                       1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, causal_keys)
         weights = None
     elif need_weights or (q.shape[2] == 1 and q.device.type == "cpu" and not dropout_p
                           and (q.shape[0] > 1 or q.dtype != torch.float32)):
@@ -156,7 +157,14 @@ class ShortAttention(torch.autograd.Function):
     For GQA the g = h/kv query heads that share a key/value head are stacked along the query axis,
     so K and V are never repeated. ``bias``: additive, broadcastable to (B, h, Tq, Tk), with a gradient
     where it needs one (T5's learned relative positions: dS summed over the axes it was broadcast along);
-    every row must keep one finite score (the caller unmasks empty rows, then zeros their output).
+    every row must keep one finite score (the caller unmasks empty rows, then zeros their output). ``causal``: key j
+    is also hidden from query i when j > i + Tk − Tq (the queries are the last Tq positions, as ``causal_mask``).
+
+    fp32 inputs under eager autograd take attnlab's own kernel where it builds (``csrc/short_attention.cpp``,
+    :func:`fused_short_attention`): the same formulas, one task per (batch, key/value head) that reads q, k, v in
+    the projection's memory and writes the output and dQ, dK, dV in the (B, T, h, hd) memory the heads are merged
+    from, with no copies between, and that skips the keys ``causal`` hides. A bias that needs a gradient (T5), other
+    dtypes and ``torch.compile`` (whose inductor fuses the torch path below) keep the torch path.
 
     Precision, for bf16 inputs: the scores QKᵀ and dP = dO·Vᵀ, which the softmax and its backward read, are
     fp32 products (of the bf16 values, exact in fp32), and so are the softmax and dS. With heads of 64 or more
@@ -187,7 +195,14 @@ class ShortAttention(torch.autograd.Function):
         return ShortAttention.compute_dtype(q)
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale):
+    def forward(ctx, q, k, v, bias, scale, causal):
+        ctx.kernel, ctx.scale, ctx.causal = False, scale, causal
+        if (q.dtype == k.dtype == v.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+                and not ctx.needs_input_grad[3] and _kernel_serves()):
+            out, probs = torch.ops.attnlab.short_attention(q, k, v, bias, scale, causal)  # (B, h, Tq, hd), (B, h, Tq, Tk)
+            ctx.save_for_backward(q, k, v, probs)  # (q, k, v: views of the projections, which they keep)
+            ctx.kernel = True
+            return out
         B, h, Tq, hd = q.shape
         kv, Tk = k.shape[1], k.shape[2]
         dtype, products = ShortAttention.compute_dtype(q), ShortAttention.product_dtype(q, k, v)
@@ -196,6 +211,8 @@ class ShortAttention(torch.autograd.Function):
         k, v = _dense(k, products).view(B * kv, Tk, hd), _dense(v, products).view(B * kv, Tk, hd)  # (B·kv, Tk, hd)
         scores = torch.bmm(qg.to(dtype), k.to(dtype).transpose(1, 2)).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
         scores = scores.mul_(scale) if bias is None else torch.add(bias, scores, alpha=scale)
+        if causal:
+            scores = scores.masked_fill_(~causal_mask(Tq, Tk, q.device), float("-inf"))
         probs = scores.softmax(dim=-1).view(B * kv, (h // kv) * Tq, Tk)  # (B·kv, g·Tq, Tk)
         ctx.save_for_backward(qg, k, v, probs)
         ctx.scale, ctx.q_shape, ctx.kv_shape = scale, q.shape, (B, kv, Tk, hd)
@@ -208,6 +225,10 @@ class ShortAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # a second derivative through this backward would be wrong: refuse it
     def backward(ctx, grad_out):
+        if ctx.kernel:
+            q, k, v, probs = ctx.saved_tensors
+            grads = torch.ops.attnlab.short_attention_backward(grad_out, q, k, v, probs, ctx.scale, ctx.causal)
+            return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
         qg, k, v, probs = ctx.saved_tensors
         dtype, products = probs.dtype, v.dtype  # products: the forward's choice (bf16 operands, or all fp32)
         dq = dk = dv = dbias = None
@@ -230,7 +251,72 @@ class ShortAttention(torch.autograd.Function):
                     dq = _heads_last(torch.bmm(ds, k), ctx.q_shape, ctx.dtypes[0], scale)
                 if ctx.needs_input_grad[1]:
                     dk = _heads_last(torch.bmm(ds.transpose(1, 2), qg), ctx.kv_shape, ctx.dtypes[1], scale)
-        return dq, dk, dv, dbias, None
+        return dq, dk, dv, dbias, None, None
+
+
+_SHORT: dict = {}  # "ok" → whether attnlab::short_attention is built and right here (once per process)
+_SHORT_LOCK = threading.Lock()
+
+
+def _kernel_serves() -> bool:
+    from ..accel import eager_autograd
+    return eager_autograd() and fused_short_attention()
+
+
+def fused_short_attention() -> bool:
+    """Whether ShortAttention's fp32 inputs take attnlab's kernel (``csrc/short_attention.cpp``): as
+    ``layers.fused_dropout`` (not ``ATTNLAB_OWN_KERNELS=0``, Linux, built once per process for this CPU's vector
+    extensions, and right on a check against float64)."""
+    from .. import accel
+    if accel._env_off("ATTNLAB_OWN_KERNELS") or platform.system() != "Linux":
+        return False
+    return accel.built_once(_SHORT, _SHORT_LOCK, _build_short_attention)
+
+
+def _build_short_attention() -> bool:
+    def check():
+        # against float64 written out (no autograd: the first call may come from inside a forward under
+        # saved-tensor hooks or no_grad): GQA, a head size that is not a multiple of the vector, a padding bias,
+        # the causal skipping with fewer queries than keys, a query that sees no key (0 out)
+        g = torch.Generator().manual_seed(0)
+        q, gout = (torch.randn(2, 4, 5, 20, generator=g, dtype=torch.float32, device="cpu") for _ in range(2))
+        k, v = (torch.randn(2, 2, 7, 20, generator=g, dtype=torch.float32, device="cpu") for _ in range(2))
+        bias = torch.zeros(2, 1, 1, 7, dtype=torch.float32, device="cpu")
+        bias[1, ..., -2:] = float("-inf")
+        ok = True
+        for causal, b in ((False, bias), (True, None)):
+            q64, k64, v64, g64 = (t.double() for t in (q, k, v, gout))
+            k64, v64 = k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1)  # (B, h, Tk, hd)
+            s = q64 @ k64.transpose(-1, -2) * 0.5 + (0 if b is None else b.double())
+            if causal:
+                s = s.masked_fill(~causal_mask(5, 7, "cpu"), float("-inf"))
+            p = s.softmax(-1)
+            dp = g64 @ v64.transpose(-1, -2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * 0.5
+            want = (p @ v64, ds @ k64, (ds.transpose(-1, -2) @ q64).unflatten(1, (2, 2)).sum(2),
+                    (p.transpose(-1, -2) @ g64).unflatten(1, (2, 2)).sum(2))
+            out, probs = torch.ops.attnlab.short_attention(q, k, v, b, 0.5, causal)
+            got = (out, *torch.ops.attnlab.short_attention_backward(gout, q, k, v, probs, 0.5, causal))
+            ok = ok and all(torch.allclose(a.double(), w, rtol=1e-4, atol=1e-5) for a, w in zip(got, want))
+        one = torch.ones(1, 1, 3, 4, dtype=torch.float32, device="cpu")  # 3 queries, 2 keys: the first sees none
+        out, _ = torch.ops.attnlab.short_attention(one, one[:, :, :2], one[:, :, :2], None, 1.0, True)
+        return ok and bool((out[0, 0, 0] == 0).all() and (out[0, 0, 1:] == 1).all())
+
+    def short_attention(q, k, v, bias, scale, causal):
+        B, h, Tq, hd = q.shape
+        return q.new_empty(B, Tq, h, hd).transpose(1, 2), q.new_empty(B, h, Tq, k.shape[2])
+
+    def short_attention_backward(grad_out, q, k, v, probs, scale, causal):
+        B, kv, Tk, hd = k.shape
+        return (q.new_empty(B, q.shape[2], q.shape[1], hd).transpose(1, 2),
+                *(k.new_empty(B, Tk, kv, hd).transpose(1, 2) for _ in range(2)))
+
+    from .. import accel
+    from .layers import _own_kernel
+    suffix, cflags = accel.own_kernel_target(fma=True)
+    return _own_kernel("attention kernel", "ShortAttention's torch path", "attnlab_short_attention" + suffix,
+                       "short_attention.cpp", cflags, {"short_attention": short_attention,
+                                                       "short_attention_backward": short_attention_backward}, check)
 
 
 def _heads_last(t: torch.Tensor, shape, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:

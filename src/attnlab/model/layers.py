@@ -264,9 +264,7 @@ def _build_fused_gelu() -> bool:
                 torch.empty_like(h, memory_format=torch.contiguous_format))
 
     from .. import accel
-    suffix, cflags = accel.own_kernel_target()
-    if suffix and "fma" in accel.cpu_flags():
-        suffix, cflags = suffix + "_fma", [*cflags, "-mfma"]  # (the polynomials: one rounding per step, and faster)
+    suffix, cflags = accel.own_kernel_target(fma=True)
     return _own_kernel("GELU kernel", "F.gelu", "attnlab_gelu" + suffix, "gelu.cpp", cflags,
                        {"gelu_and_slope": gelu_and_slope}, check)
 

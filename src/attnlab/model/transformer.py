@@ -245,8 +245,13 @@ def decoder_self_mask(key_is_token: torch.Tensor | None, T: int, past: int, devi
 
     Without padding the causal mask is left to the fused kernel (``is_causal``) when there is no
     cache, and is not needed at all for a single new position; otherwise it is built explicitly
-    (shifted right by ``past``) and combined with the padding of the keys."""
+    (shifted right by ``past``) and combined with the padding of the keys. Several new positions over
+    padded keys (a training batch, a prefill) give the padding with ``is_causal``, which
+    ``scaled_dot_product_attention`` combines into the same mask, and which tells ShortAttention's kernel
+    that it may skip the hidden keys."""
     if key_is_token is not None:
+        if T > 1:
+            return padding_mask(key_is_token), True
         return padding_mask(key_is_token) & causal_mask(T, past + T, device), False
     if past and T > 1:
         return causal_mask(T, past + T, device), False

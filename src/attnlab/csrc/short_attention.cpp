@@ -1,0 +1,279 @@
+// Attention over short keys for training on CPU, fp32, forward and backward: attnlab::short_attention and
+// attnlab::short_attention_backward, the kernel behind attnlab.model.attention.ShortAttention.
+//
+// softmax(QKᵀ·scale + bias)·V for each (batch, head), with the textbook backward
+//   dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ⊙ (dP − rowsum(dP ⊙ P)),  dQ = dS·K·scale,  dK = dSᵀ·Q·scale.
+// Why a kernel: with tens of keys each (batch, head) is a few kilobytes, and the same work as batched matmuls
+// (ShortAttention's torch path) spends as long moving the heads as multiplying them: q, k and v copied out of
+// the projection's (B, T, h, hd) memory into (B·h, T, hd) before the products, the output and the three
+// gradients copied back (8 copies per attention), plus the softmax and its backward as separate passes. Here
+// one task per (batch, key/value head) reads its rows where they are, keeps the scores, probabilities and
+// gradients of that head in cache, and writes the output and the gradients straight into (B, T, h, hd) memory,
+// which the caller merges with a view. With causal=True the products skip the keys after each query
+// (key j is seen by query i when j <= i + Tk − Tq: the queries are the last Tq positions), about half the work.
+// What it gains in a training step: docs/results.md (twenty-fourth #13 session).
+//
+// The products are register-blocked loops over GCC vector types (16 floats with AVX-512, 8 with AVX2 and 4
+// elsewhere), so one source serves every CPU the build targets (attnlab.accel.own_kernel_target). GQA: the g
+// query heads that share a key/value head run in the same task, which sums their dK and dV. Built on first use
+// by torch.utils.cpp_extension (attnlab.accel.build_torch_ops); tests/test_pitfalls.py compares it with float64.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+using attnlab_vec::exp_nonpositive;
+
+#if defined(__AVX512F__)
+constexpr int VL = 16, ACC = 16;  // lanes per vector; accumulators per block (of 32 registers)
+#elif defined(__AVX__)
+constexpr int VL = 8, ACC = 8;  // (of 16 registers)
+#else
+constexpr int VL = 4, ACC = 8;
+#endif
+typedef float vec __attribute__((vector_size(VL * sizeof(float)), aligned(alignof(float))));
+
+inline int64_t padded(int64_t n) { return (n + VL - 1) / VL * VL; }
+
+// Which part of a product causal attention needs: with rows [i0, i0 + MR) of C,
+// KEYS_IN_K: rows are queries, the sum runs over keys: k < i0 + MR + off (the block's last visible key + 1);
+// QUERIES_IN_K: rows are keys, the sum runs over queries: k >= i0 − off (the first query that sees key i0);
+// KEYS_IN_N: rows are queries, columns keys: columns < i0 + MR + off (rounded up to whole vectors).
+enum Skip { NONE, KEYS_IN_K, QUERIES_IN_K, KEYS_IN_N };
+
+struct Product {
+  int64_t M, N, K;          // C (M × N) (+)= A (M × K) · Bm (K × N); N a multiple of VL
+  const float* A; int64_t sai, sak;  // A(i, k) = A[i·sai + k·sak]
+  const float* Bm; int64_t sb;       // row k of Bm at Bm + k·sb, contiguous
+  float* C; int64_t sc;              // row i of C at C + i·sc, contiguous
+  bool accumulate;
+  Skip skip; int64_t off;            // off = Tk − Tq, for causal skipping
+};
+
+// rows [i0, i0 + MR) × columns [n0, n0 + NB·VL) of C, over k in [kb, ke)
+template <int MR, int NB>
+inline void block(const Product& p, int64_t i0, int64_t n0, int64_t kb, int64_t ke) {
+  vec c[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NB; ++v)
+      c[r][v] = p.accumulate ? *reinterpret_cast<const vec*>(p.C + (i0 + r) * p.sc + n0 + v * VL) : vec{};
+  for (int64_t k = kb; k < ke; ++k) {
+    vec b[NB];
+    for (int v = 0; v < NB; ++v) b[v] = *reinterpret_cast<const vec*>(p.Bm + k * p.sb + n0 + v * VL);
+    for (int r = 0; r < MR; ++r) {
+      const float a = p.A[(i0 + r) * p.sai + k * p.sak];
+      for (int v = 0; v < NB; ++v) c[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NB; ++v) *reinterpret_cast<vec*>(p.C + (i0 + r) * p.sc + n0 + v * VL) = c[r][v];
+}
+
+template <int MR, int NB>
+inline void block_skipping(const Product& p, int64_t i0, int64_t n0) {
+  int64_t kb = 0, ke = p.K;
+  if (p.skip == KEYS_IN_K) ke = std::min(p.K, std::max<int64_t>(0, i0 + MR + p.off));
+  if (p.skip == QUERIES_IN_K) kb = std::min(p.K, std::max<int64_t>(0, i0 - p.off));
+  if (p.skip == KEYS_IN_N && n0 >= i0 + MR + p.off) return;  // (columns no query of the block sees: not read)
+  block<MR, NB>(p, i0, n0, kb, ke);
+}
+
+template <int NB>
+void columns(const Product& p, int64_t n0) {
+  constexpr int MR = ACC / NB > 6 ? 6 : (ACC / NB < 1 ? 1 : ACC / NB);
+  int64_t i = 0;
+  for (; i + MR <= p.M; i += MR) block_skipping<MR, NB>(p, i, n0);
+  for (; i < p.M; ++i) block_skipping<1, NB>(p, i, n0);
+}
+
+void run(const Product& p) {
+  int64_t n0 = 0, nv = p.N / VL;
+  for (; nv >= 4; nv -= 4, n0 += 4 * VL) columns<4>(p, n0);
+  if (nv == 3) columns<3>(p, n0);
+  if (nv == 2) columns<2>(p, n0);
+  if (nv == 1) columns<1>(p, n0);
+}
+
+// Rows of a (rows × cols) slice with row stride s, as rows of P floats (P a multiple of VL): the slice itself
+// where cols == P, else copied into buf with zeros after cols. Returns the rows and sets their stride.
+const float* rows_of(const float* src, int64_t s, int64_t rows, int64_t cols, int64_t P, float* buf, int64_t* stride) {
+  if (cols == P) {
+    *stride = s;
+    return src;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(buf + r * P, src + r * s, cols * sizeof(float));
+    std::fill(buf + r * P + cols, buf + (r + 1) * P, 0.f);
+  }
+  *stride = P;
+  return buf;
+}
+
+// dst (cols × P) = the transpose of a (rows × cols) slice with row stride s, zeros after rows
+void transposed(const float* src, int64_t s, int64_t rows, int64_t cols, int64_t P, float* dst) {
+  for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * P + rows, dst + (c + 1) * P, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * P + r] = src[r * s + c];
+}
+
+at::Tensor float_rows(const at::Tensor& t, const char* name) {  // fp32 on CPU, each row contiguous
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "attnlab::short_attention: ", name,
+              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.dim() == 4, "attnlab::short_attention: ", name, " must be (B, heads, T, head dim), got ", t.sizes());
+  return t.stride(3) == 1 ? t : t.contiguous();
+}
+
+void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3) && k.size(1) > 0 &&
+                  q.size(1) % k.size(1) == 0 && k.size(2) > 0,
+              "attnlab::short_attention: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(),
+              ": expected q (B, h, Tq, hd), k and v (B, kv, Tk, hd), h a multiple of kv, Tk > 0");
+}
+
+// q (B, h, Tq, hd), k and v (B, kv, Tk, hd), any strides; bias additive, broadcastable to (B, h, Tq, Tk)
+// → (the output (B, h, Tq, hd) in (B, Tq, h, hd) memory, the probabilities (B, h, Tq, Tk) for the backward)
+std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                                   const c10::optional<at::Tensor>& bias_, double scale_, bool causal) {
+  const at::Tensor q = float_rows(q_, "q"), k = float_rows(k_, "k"), v = float_rows(v_, "v");
+  check_shapes(q, k, v);
+  const int64_t B = q.size(0), h = q.size(1), Tq = q.size(2), hd = q.size(3), kv = k.size(1), Tk = k.size(2);
+  const int64_t g = h / kv, TP = padded(Tk), HP = padded(hd), off = Tk - Tq;
+  const float scale = static_cast<float>(scale_);
+  at::Tensor bias;
+  if (bias_.has_value() && bias_->defined()) {
+    TORCH_CHECK(bias_->scalar_type() == at::kFloat, "attnlab::short_attention: bias must be float32, got ",
+                bias_->scalar_type());
+    bias = bias_->expand({B, h, Tq, Tk});  // (a view: broadcast axes keep stride 0)
+  }
+  at::Tensor out = at::empty({B, Tq, h, hd}, q.options());
+  at::Tensor probs = at::empty({B, h, Tq, Tk}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float *op = out.data_ptr<float>(), *pp = probs.data_ptr<float>();
+  at::parallel_for(0, B * kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(hd * TP), vbuf(hd == HP ? 0 : Tk * HP), S(Tq * TP), O(hd == HP ? 0 : Tq * HP);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv, c = task % kv;
+      transposed(kp + b * k.stride(0) + c * k.stride(1), k.stride(2), Tk, hd, TP, kt.data());  // Kᵀ (hd, TP)
+      int64_t sv;
+      const float* vr = rows_of(vp + b * v.stride(0) + c * v.stride(1), v.stride(2), Tk, hd, HP, vbuf.data(), &sv);
+      for (int64_t r = 0; r < g; ++r) {
+        const int64_t head = c * g + r;
+        const float* qh = qp + b * q.stride(0) + head * q.stride(1);
+        run({Tq, TP, hd, qh, q.stride(2), 1, kt.data(), TP, S.data(), TP, false, causal ? KEYS_IN_N : NONE, off});
+        float* ph = pp + (b * h + head) * Tq * Tk;  // (Tq, Tk)
+        for (int64_t i = 0; i < Tq; ++i) {
+          float* s = S.data() + i * TP;
+          float* prow = ph + i * Tk;
+          const int64_t seen = causal ? std::min(Tk, std::max<int64_t>(0, i + off + 1)) : Tk;
+          if (bp) {
+            const float* brow = bp + b * bias.stride(0) + head * bias.stride(1) + i * bias.stride(2);
+            for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + brow[j * bias.stride(3)];
+          } else {
+            for (int64_t j = 0; j < seen; ++j) s[j] *= scale;
+          }
+          float m = seen ? s[0] : 0.f;
+          for (int64_t j = 1; j < seen; ++j) m = s[j] > m ? s[j] : m;
+          float sum = 0.f;
+          for (int64_t j = 0; j < seen; ++j) {
+            s[j] = exp_nonpositive(-(m - s[j]));  // (−0.0 at the maximum: exp = 1)
+            sum += s[j];
+          }
+          const float inv = seen ? 1.0f / sum : 0.f;  // (a query that sees no key: probabilities and output 0)
+          for (int64_t j = 0; j < seen; ++j) prow[j] = s[j] * inv;
+          std::fill(prow + seen, prow + Tk, 0.f);
+        }
+        float* oh = op + (b * Tq * h + head) * hd;  // row i at oh + i·h·hd
+        float* dst = hd == HP ? oh : O.data();
+        const int64_t sd = hd == HP ? h * hd : HP;
+        run({Tq, HP, Tk, ph, Tk, 1, vr, sv, dst, sd, false, causal ? KEYS_IN_K : NONE, off});  // O = P·V
+        if (hd != HP)
+          for (int64_t i = 0; i < Tq; ++i) std::memcpy(oh + i * h * hd, O.data() + i * HP, hd * sizeof(float));
+      }
+    }
+  });
+  return {out.transpose(1, 2), probs};
+}
+
+// → (dq, dk, dv): (B, h, Tq, hd) in (B, Tq, h, hd) memory and (B, kv, Tk, hd) in (B, Tk, kv, hd) memory
+std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
+    const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+    const at::Tensor& probs_, double scale_, bool causal) {
+  const at::Tensor q = float_rows(q_, "q"), k = float_rows(k_, "k"), v = float_rows(v_, "v");
+  const at::Tensor go = float_rows(grad_out_, "grad_out"), probs = probs_.contiguous();
+  check_shapes(q, k, v);
+  const int64_t B = q.size(0), h = q.size(1), Tq = q.size(2), hd = q.size(3), kv = k.size(1), Tk = k.size(2);
+  TORCH_CHECK(go.sizes() == q.sizes() && probs.sizes() == at::IntArrayRef({B, h, Tq, Tk}) &&
+                  probs.scalar_type() == at::kFloat,
+              "attnlab::short_attention_backward: grad_out ", go.sizes(), " and probs ", probs.sizes(),
+              " do not match q ", q.sizes(), " and k ", k.sizes());
+  const int64_t g = h / kv, TP = padded(Tk), HP = padded(hd), off = Tk - Tq;
+  const float scale = static_cast<float>(scale_);
+  at::Tensor dq = at::empty({B, Tq, h, hd}, q.options());
+  at::Tensor dk = at::empty({B, Tk, kv, hd}, q.options());
+  at::Tensor dv = at::empty({B, Tk, kv, hd}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = go.data_ptr<float>(), *pp = probs.data_ptr<float>();
+  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
+  const bool pad = hd != HP;
+  at::parallel_for(0, B * kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> vt(hd * TP), kbuf(pad ? Tk * HP : 0), qbuf(pad ? Tq * HP : 0), gbuf(pad ? Tq * HP : 0),
+        D(Tq * TP), dQ(pad ? Tq * HP : 0), dK(Tk * HP), dV(Tk * HP);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv, c = task % kv;
+      int64_t sk, sq, sg;
+      const float* kr = rows_of(kp + b * k.stride(0) + c * k.stride(1), k.stride(2), Tk, hd, HP, kbuf.data(), &sk);
+      transposed(vp + b * v.stride(0) + c * v.stride(1), v.stride(2), Tk, hd, TP, vt.data());  // Vᵀ (hd, TP)
+      for (int64_t r = 0; r < g; ++r) {
+        const int64_t head = c * g + r;
+        const float* gh = gp + b * go.stride(0) + head * go.stride(1);
+        const float* qr = rows_of(qp + b * q.stride(0) + head * q.stride(1), q.stride(2), Tq, hd, HP, qbuf.data(), &sq);
+        const float* gr = rows_of(gh, go.stride(2), Tq, hd, HP, gbuf.data(), &sg);
+        const float* ph = pp + (b * h + head) * Tq * Tk;  // (Tq, Tk)
+        run({Tq, TP, hd, gh, go.stride(2), 1, vt.data(), TP, D.data(), TP, false, causal ? KEYS_IN_N : NONE, off});  // dP
+        for (int64_t i = 0; i < Tq; ++i) {
+          float* d = D.data() + i * TP;
+          const float* prow = ph + i * Tk;
+          const int64_t seen = causal ? std::min(Tk, std::max<int64_t>(0, i + off + 1)) : Tk;
+          float rs = 0.f;
+          for (int64_t j = 0; j < seen; ++j) rs += prow[j] * d[j];
+          for (int64_t j = 0; j < seen; ++j) d[j] = prow[j] * (d[j] - rs) * scale;  // dS·scale
+          std::fill(d + seen, d + TP, 0.f);  // (read by the blocks of rows that see further)
+        }
+        const Skip queries = causal ? QUERIES_IN_K : NONE, keys = causal ? KEYS_IN_K : NONE;
+        run({Tk, HP, Tq, ph, 1, Tk, gr, sg, dV.data(), HP, r > 0, queries, off});        // dV (+)= Pᵀ·dO
+        run({Tk, HP, Tq, D.data(), 1, TP, qr, sq, dK.data(), HP, r > 0, queries, off});  // dK (+)= dSᵀ·Q·scale
+        float* dqh = dqp + (b * Tq * h + head) * hd;  // row i at dqh + i·h·hd
+        run({Tq, HP, Tk, D.data(), TP, 1, kr, sk, pad ? dQ.data() : dqh, pad ? HP : h * hd, false, keys, off});  // dQ
+        if (pad)
+          for (int64_t i = 0; i < Tq; ++i) std::memcpy(dqh + i * h * hd, dQ.data() + i * HP, hd * sizeof(float));
+      }
+      for (int64_t j = 0; j < Tk; ++j) {
+        std::memcpy(dkp + ((b * Tk + j) * kv + c) * hd, dK.data() + j * HP, hd * sizeof(float));
+        std::memcpy(dvp + ((b * Tk + j) * kv + c) * hd, dV.data() + j * HP, hd * sizeof(float));
+      }
+    }
+  });
+  return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("short_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool causal) -> (Tensor, Tensor)");
+  m.def("short_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor probs, float scale, "
+        "bool causal) -> (Tensor, Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("short_attention", &short_attention);
+  m.impl("short_attention_backward", &short_attention_backward);
+}
