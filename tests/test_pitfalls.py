@@ -163,17 +163,23 @@ def _attention_path(monkeypatch, path):
         assert attention.fused_short_attention()  # (where the tools are, a failed build or check fails here)
 
 
-def _short_attention_kernel_used(out, each: bool = False):
-    """{whether each ShortAttention in out's graph ran on attnlab's kernel} (``each``: a list, one per attention)."""
-    seen, todo, used = set(), [out.grad_fn], []
+def _short_attention_nodes(out) -> list:
+    """The ShortAttention nodes of out's graph."""
+    seen, todo, nodes = set(), [out.grad_fn], []
     while todo:
         fn = todo.pop()
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
         if type(fn).__name__ == "ShortAttentionBackward":
-            used.append(fn.kernel)
+            nodes.append(fn)
         todo += [f for f, _ in fn.next_functions]
+    return nodes
+
+
+def _short_attention_kernel_used(out, each: bool = False):
+    """{whether each ShortAttention in out's graph ran on attnlab's kernel} (``each``: a list, one per attention)."""
+    used = [fn.kernel for fn in _short_attention_nodes(out)]
     return used if each else set(used)
 
 
@@ -318,6 +324,28 @@ def test_short_key_training_attention_edge_cases(monkeypatch, path):
     expected = _attention_oracle(q5.detach(), k, v, causal_mask(4, T))
     torch.testing.assert_close(trained.double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(inferred.double(), expected, atol=1e-5, rtol=1e-5)
+    # more queries than keys under is_causal: the first rows see no key (output 0, gradients finite and the oracle's)
+    for dtype in (torch.float32, torch.bfloat16):
+        few = [t.to(dtype, copy=True).requires_grad_() for t in (q, k[:, :, :3], v[:, :, :3])]
+        out, _ = scaled_dot_product_attention(*few, is_causal=True)
+        assert _short_attention_kernel_used(out) == {path == "kernel" and dtype == torch.float32}
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref_in = [t.detach().double().requires_grad_() for t in few]
+        ref = _attention_oracle(*ref_in, causal_mask(T, 3))
+        ref.backward(grad.double())
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert torch.equal(out[:, :, :T - 3].float(), torch.zeros_like(out[:, :, :T - 3].float()))
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+        for got, want in zip(few, ref_in):
+            assert torch.isfinite(got.grad).all()
+            torch.testing.assert_close(got.grad.double(), want.grad, atol=tol * 3, rtol=tol * 3)
+    # a NaN key makes the output NaN, as in torch's softmax (a loss check must see it)
+    bad_k = k.clone()
+    bad_k[0, 0, 5, 0] = float("nan")
+    out, _ = scaled_dot_product_attention(q.requires_grad_(), bad_k, v)
+    assert out[0, 0].isnan().all() and not out[1].isnan().any()
+    q.requires_grad_(False)
     big = [(t * 40).half().requires_grad_() for t in (q, k, v)]  # fp16 q·k reaches ~1e5: past fp16's 65504
     out, _ = scaled_dot_product_attention(*big, is_causal=True)
     out.float().sum().backward()
@@ -364,6 +392,16 @@ def test_attention_kernel_trains_the_model_as_the_torch_path_does(monkeypatch, p
         model.zero_grad(set_to_none=True)
         loss = run()
         used = _short_attention_kernel_used(loss, each=True)
+        if path == "kernel":  # what the kernel's backward keeps: q, k, v as they are where together they cover
+            views = 0         # their memory (a fused projection's split), else a compact copy (v beside RoPE's q, k)
+            for fn in _short_attention_nodes(loss):
+                kept: dict = {}
+                for t in {id(t): t for t in fn.saved_tensors[:3]}.values():
+                    nbytes, used_bytes = kept.get(t.untyped_storage().data_ptr(), (t.untyped_storage().nbytes(), 0))
+                    kept[t.untyped_storage().data_ptr()] = (nbytes, used_bytes + t.numel() * t.element_size())
+                assert all(nbytes == used_bytes for nbytes, used_bytes in kept.values())  # nothing more kept alive
+                views += any(t.untyped_storage().nbytes() > t.numel() * t.element_size() for t in fn.saved_tensors[:3])
+            assert views == (0 if preset == "llama-mini" else attentions)  # (RoPE: q, k new tensors, v a compact copy)
         loss.backward()
         results[path] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], used)
     assert results["kernel"][2] == [True] * attentions and results["torch"][2] == [False] * attentions
@@ -371,6 +409,23 @@ def test_attention_kernel_trains_the_model_as_the_torch_path_does(monkeypatch, p
     assert len(results["kernel"][1]) == len(results["torch"][1]) > 10
     for a, b in zip(results["kernel"][1], results["torch"][1]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_gradients_through_a_kv_cache(monkeypatch, path):
+    """Gradients through cached decoding, whose next step writes the cache's buffer in place: the backward runs
+    (the kernel keeps compact copies of the cache's views, not the views) and equals the uncached forward's."""
+    _attention_path(monkeypatch, path)
+    torch.manual_seed(0)
+    model = build_model(get_preset("shakespeare-char", vocab_size=40, dropout=0.0)).train()
+    ids = torch.randint(1, 40, (2, 6))
+    cache = model.new_cache(capacity=16)
+    (model(ids[:, :4], cache=cache).sum() + model(ids[:, 4:], cache=cache).sum()).backward()
+    cached = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(ids).sum().backward()
+    for a, b in zip(cached, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_attention_keeps_the_fused_kernel_outside_short_key_training():

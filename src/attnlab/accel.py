@@ -30,7 +30,6 @@ benchmarks' ``--as-avx2`` does); :func:`cpu_isa` then says "AVX2 (capped on ...)
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
@@ -631,15 +630,10 @@ def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str |
         return "no C++ compiler or no ninja (pip install ninja)"
     if hasattr(torch.ops.attnlab, op):
         return None
-    csrc = os.path.join(os.path.dirname(__file__), "csrc")
-    # the cache key hashes the source and the flags only: a digest of the shared headers (csrc/*.h) among the
-    # flags rebuilds a kernel whose header changed
-    headers = hashlib.sha256(b"".join(open(os.path.join(csrc, f), "rb").read()
-                                      for f in sorted(os.listdir(csrc)) if f.endswith(".h"))).hexdigest()[:12]
+    path = os.path.join(os.path.dirname(__file__), "csrc", source)
     # -fopenmp: at::parallel_for is PyTorch's OpenMP loop, serial in code built without it
-    cpp_extension.load(name=name, sources=[os.path.join(csrc, source)], is_python_module=False,
-                       extra_cflags=["-O3", *cflags, "-fopenmp", f"-DATTNLAB_CSRC_HEADERS={headers}"],
-                       extra_ldflags=["-fopenmp"])
+    cpp_extension.load(name=name, sources=[path], is_python_module=False,
+                       extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
     return None
 
 

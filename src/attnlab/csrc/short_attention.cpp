@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -181,11 +182,11 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q_, const a
           } else {
             for (int64_t j = 0; j < seen; ++j) s[j] *= scale;
           }
-          float m = seen ? s[0] : 0.f;
-          for (int64_t j = 1; j < seen; ++j) m = s[j] > m ? s[j] : m;
+          float m = seen ? s[0] : 0.f;  // the row's maximum, or NaN if a score is NaN (then every probability is NaN,
+          for (int64_t j = 1; j < seen; ++j) m = (s[j] > m || s[j] != s[j]) ? s[j] : m;  // as in torch's softmax)
           float sum = 0.f;
           for (int64_t j = 0; j < seen; ++j) {
-            s[j] = exp_nonpositive(-(m - s[j]));  // (−0.0 at the maximum: exp = 1)
+            s[j] = exp_nonpositive(-std::fabs(s[j] - m));  // (−0.0 at the maximum: exp = 1)
             sum += s[j];
           }
           const float inv = seen ? 1.0f / sum : 0.f;  // (a query that sees no key: probabilities and output 0)

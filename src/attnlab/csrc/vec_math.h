@@ -1,6 +1,6 @@
-// Small vector-friendly math shared by attnlab's own CPU kernels (gelu.cpp, short_attention.cpp).
-// attnlab.accel.build_torch_ops puts a digest of this header into the build flags, so torch's extension cache
-// rebuilds the kernels that include it when it changes (the cache itself hashes only the .cpp file).
+// Small vector-friendly math shared by attnlab's own CPU kernels (gelu.cpp, short_attention.cpp). (torch's
+// extension build runs ninja in every new process, and ninja's dependency files rebuild a kernel whose header
+// changed.)
 #pragma once
 
 #include <cstdint>
@@ -12,7 +12,7 @@ namespace attnlab_vec {
 // exponent bits), and 0 below -87 (exp < 2^-125), for -inf and for NaN. As int32, the bit patterns of negative
 // floats grow with their magnitude: the range test and the clamp that keeps the polynomial finite are integer
 // compares, which vectorise where a float compare-and-select would not (-ftrapping-math). +0.0 is outside the
-// range (its bits are 0): callers pass -0.0, e.g. -(m - s) for a maximum m.
+// range (its bits are 0): callers pass -0.0, e.g. -|s - m| for a maximum m.
 inline float exp_nonpositive(float y) {
   int32_t bits;
   std::memcpy(&bits, &y, 4);

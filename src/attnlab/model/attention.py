@@ -158,7 +158,10 @@ class ShortAttention(torch.autograd.Function):
     so K and V are never repeated. ``bias``: additive, broadcastable to (B, h, Tq, Tk), with a gradient
     where it needs one (T5's learned relative positions: dS summed over the axes it was broadcast along);
     every row must keep one finite score (the caller unmasks empty rows, then zeros their output). ``causal``: key j
-    is also hidden from query i when j > i + Tk − Tq (the queries are the last Tq positions, as ``causal_mask``).
+    is also hidden from query i when j > i + Tk − Tq (the queries are the last Tq positions, as ``causal_mask``);
+    a bias given with it hides those keys already (``scaled_dot_product_attention`` folds its causal mask into the
+    bias, unmasking rows that see no key), so the torch path adds the causal mask only where there is no bias,
+    and the kernel takes the flag to skip the hidden keys' work.
 
     fp32 inputs under eager autograd take attnlab's own kernel where it builds (``csrc/short_attention.cpp``,
     :func:`fused_short_attention`): the same formulas, one task per (batch, key/value head) that reads q, k, v in
@@ -200,7 +203,7 @@ class ShortAttention(torch.autograd.Function):
         if (q.dtype == k.dtype == v.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
                 and not ctx.needs_input_grad[3] and _kernel_serves()):
             out, probs = torch.ops.attnlab.short_attention(q, k, v, bias, scale, causal)  # (B, h, Tq, hd), (B, h, Tq, Tk)
-            ctx.save_for_backward(q, k, v, probs)  # (q, k, v: views of the projections, which they keep)
+            ctx.save_for_backward(*_compact(q, k, v), probs)
             ctx.kernel = True
             return out
         B, h, Tq, hd = q.shape
@@ -211,7 +214,7 @@ class ShortAttention(torch.autograd.Function):
         k, v = _dense(k, products).view(B * kv, Tk, hd), _dense(v, products).view(B * kv, Tk, hd)  # (B·kv, Tk, hd)
         scores = torch.bmm(qg.to(dtype), k.to(dtype).transpose(1, 2)).view(B, h, Tq, Tk)  # (B, h, Tq, Tk)
         scores = scores.mul_(scale) if bias is None else torch.add(bias, scores, alpha=scale)
-        if causal:
+        if causal and bias is None:
             scores = scores.masked_fill_(~causal_mask(Tq, Tk, q.device), float("-inf"))
         probs = scores.softmax(dim=-1).view(B * kv, (h // kv) * Tq, Tk)  # (B·kv, g·Tq, Tk)
         ctx.save_for_backward(qg, k, v, probs)
@@ -252,6 +255,19 @@ class ShortAttention(torch.autograd.Function):
                 if ctx.needs_input_grad[1]:
                     dk = _heads_last(torch.bmm(ds.transpose(1, 2), qg), ctx.kv_shape, ctx.dtypes[1], scale)
         return dq, dk, dv, dbias, None, None
+
+
+def _compact(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The kernel's inputs as its backward keeps them: as they are where together they cover their memory (q, k and
+    v split from one fused projection, or k and v from the memory's), so nothing is copied and nothing more is
+    kept; a compact copy of one that is a view into a larger tensor it would keep alive (v beside RoPE's new q and
+    k, a KV cache's buffer, which a later step also writes in place)."""
+    covered: dict[int, int] = {}
+    for t in {id(t): t for t in tensors}.values():
+        key = t.untyped_storage().data_ptr()
+        covered[key] = covered.get(key, 0) + t.numel() * t.element_size()
+    return [t if covered[t.untyped_storage().data_ptr()] >= t.untyped_storage().nbytes() else t.contiguous()
+            for t in tensors]
 
 
 _SHORT: dict = {}  # "ok" → whether attnlab::short_attention is built and right here (once per process)
