@@ -141,15 +141,20 @@ def _attention_oracle(q, k, v, mask=None, bias=None, scale=None):
     return weights @ v
 
 
-def _graph_nodes(t) -> set[str]:
-    """The names of the autograd nodes behind t."""
+def _graph(t) -> list:
+    """The autograd nodes behind t."""
     seen, todo = {}, [t.grad_fn]
     while todo:
         fn = todo.pop()
         if fn is not None and id(fn) not in seen:
-            seen[id(fn)] = type(fn).__name__
+            seen[id(fn)] = fn
             todo += [f for f, _ in fn.next_functions]
-    return set(seen.values())
+    return list(seen.values())
+
+
+def _graph_nodes(t) -> set[str]:
+    """The names of the autograd nodes behind t."""
+    return {type(fn).__name__ for fn in _graph(t)}
 
 
 def _attention_path(monkeypatch, path):
@@ -165,16 +170,15 @@ def _attention_path(monkeypatch, path):
 
 def _short_attention_nodes(out) -> list:
     """The ShortAttention nodes of out's graph."""
-    seen, todo, nodes = set(), [out.grad_fn], []
-    while todo:
-        fn = todo.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        if type(fn).__name__ == "ShortAttentionBackward":
-            nodes.append(fn)
-        todo += [f for f, _ in fn.next_functions]
-    return nodes
+    return [fn for fn in _graph(out) if type(fn).__name__ == "ShortAttentionBackward"]
+
+
+def _assert_same_training(kernel: tuple, torch_path: tuple) -> None:
+    """(loss, gradients) of a model on attnlab's kernel and on the torch path: equal to fp32 rounding."""
+    assert torch.allclose(kernel[0], torch_path[0], rtol=1e-5)
+    assert len(kernel[1]) == len(torch_path[1]) > 10
+    for a, b in zip(kernel[1], torch_path[1]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
 
 
 def _short_attention_kernel_used(out, each: bool = False):
@@ -405,10 +409,7 @@ def test_attention_kernel_trains_the_model_as_the_torch_path_does(monkeypatch, p
         loss.backward()
         results[path] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], used)
     assert results["kernel"][2] == [True] * attentions and results["torch"][2] == [False] * attentions
-    assert torch.allclose(results["kernel"][0], results["torch"][0], rtol=1e-5)
-    assert len(results["kernel"][1]) == len(results["torch"][1]) > 10
-    for a, b in zip(results["kernel"][1], results["torch"][1]):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
+    _assert_same_training(results["kernel"][:2], results["torch"][:2])
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
@@ -798,10 +799,7 @@ def test_gelu_kernel_trains_the_model_as_f_gelu_does(monkeypatch, preset):
         loss.backward()
         grads[path] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
         assert len(kernel_calls) == (cfg.n_decoder_layers if cfg.family == "decoder-only" else cfg.n_encoder_layers)  # one per FFN, kernel path only
-    assert torch.allclose(grads["kernel"][0], grads["torch"][0], rtol=1e-5)
-    assert len(grads["kernel"][1]) == len(grads["torch"][1]) > 10
-    for a, b in zip(grads["kernel"][1], grads["torch"][1]):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
+    _assert_same_training(grads["kernel"], grads["torch"])
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
