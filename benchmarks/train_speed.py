@@ -912,24 +912,12 @@ def main():
         key = f"corpus_{'bf16' if bf16 else 'fp32'}"
         results[key] = run_corpus(SHAPES[args.corpus_shape], args, bf16)
         print(key, json.dumps(results[key]), flush=True)
-    if args.dropout:
-        results["dropout"] = dropout_table(args)
-        print("dropout", json.dumps(results["dropout"]), flush=True)
-    if args.gelu:
-        results["gelu"] = gelu_table(args)
-        print("gelu", json.dumps(results["gelu"]), flush=True)
-    if args.attention_kernel:
-        results["attention_kernel"] = attention_kernel_table(args)
-        print("attention_kernel", json.dumps(results["attention_kernel"]), flush=True)
-    if args.gemm:
-        results["gemm"] = gemm_table(args)
-        print("gemm", json.dumps(results["gemm"]), flush=True)
-    if args.attention_products:
-        results["attention_products"] = attention_products_table(args)
-        print("attention_products", json.dumps(results["attention_products"]), flush=True)
-    if args.attention:
-        results["attention"] = attention_table(args)
-        print("attention", json.dumps(results["attention"]), flush=True)
+    tables = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
+              "gemm": gemm_table, "attention_products": attention_products_table, "attention": attention_table}
+    for name, table in tables.items():  # (each behind its --flag, in this order)
+        if getattr(args, name):
+            results[name] = table(args)
+            print(name, json.dumps(results[name]), flush=True)
     if args.nanogpt:
         results["nanogpt_shakespeare"] = nanogpt_step(args)
         print("nanogpt_shakespeare", json.dumps(results["nanogpt_shakespeare"]), flush=True)
