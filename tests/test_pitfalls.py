@@ -259,6 +259,61 @@ def test_short_key_training_attention_equals_the_oracle(monkeypatch, case, path)
         assert got.dtype == torch.bfloat16 and got.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_attention_kernel_rows_of_every_length(monkeypatch, isa):
+    """The kernel's operators against float64 where its vector loops have tails: rows of 1-64 keys (one lane
+    to four whole vectors, the softmax's masked lanes among them), causal or not, more keys than queries, a
+    broadcast bias with -inf entries; the probabilities it hands the backward are the softmax's, zero past each
+    row's last key, and a backward given them in another layout (contiguous) gives the same gradients. ``avx2``:
+    the same in a child process capped at AVX2 (8 lanes; accel.AVX2_ENVIRONMENT), on CPUs with AVX-512."""
+    import os
+    import subprocess
+    import sys
+    from attnlab import accel
+    from attnlab.model import attention
+    if isa == "avx2":
+        if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
+            pytest.skip("already capped")
+        if not {"avx512f", "avx2"} <= accel.cpu_flags():
+            pytest.skip("the AVX2 build differs from the native one only on an AVX-512 CPU")
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                              f"{__file__}::test_attention_kernel_rows_of_every_length[native]"],
+                             env={**os.environ, **accel.AVX2_ENVIRONMENT}, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+        return
+    _attention_path(monkeypatch, "kernel")
+    torch.manual_seed(0)
+    ops = torch.ops.attnlab
+    for Tk in (1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 50, 64):
+        for causal, Tq in ((False, Tk), (True, Tk), (True, max(1, Tk // 2))):
+            B, h, kv, hd = 2, 4, 2, 12
+            x = torch.randn(B, max(Tq, Tk), 3, h, hd)  # (q, k, v from one projection's memory, as the model has them)
+            q, k, v = x[:, :Tq, 0].transpose(1, 2), x[:, :Tk, 1, :kv].transpose(1, 2), x[:, :Tk, 2, :kv].transpose(1, 2)
+            bias = None if causal else torch.randn(B, 1, 1, Tk).masked_fill(torch.rand(B, 1, 1, Tk) < 0.2, float("-inf"))
+            if bias is not None:
+                bias[..., 0] = 0.0  # (every row sees a key)
+            out, probs = ops.short_attention(q, k, v, bias, 0.3, causal)
+            q64, k64, v64 = (t.double() for t in (q, k, v))
+            k64, v64 = k64.repeat_interleave(h // kv, 1), v64.repeat_interleave(h // kv, 1)
+            s = q64 @ k64.transpose(-1, -2) * 0.3 + (0 if bias is None else bias.double())
+            if causal:
+                s = s.masked_fill(~causal_mask(Tq, Tk, "cpu"), float("-inf"))
+            p = s.softmax(-1)
+            torch.testing.assert_close(probs.double(), p, atol=1e-6, rtol=1e-5)
+            assert bool((probs[p == 0] == 0).all())
+            torch.testing.assert_close(out.double(), p @ v64, atol=1e-5, rtol=1e-5)
+            g = torch.randn(B, h, Tq, hd)
+            dp = g.double() @ v64.transpose(-1, -2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * 0.3
+            want = (ds @ k64, (ds.transpose(-1, -2) @ q64).unflatten(1, (kv, h // kv)).sum(2),
+                    (p.transpose(-1, -2) @ g.double()).unflatten(1, (kv, h // kv)).sum(2))
+            got = ops.short_attention_backward(g, q, k, v, probs, 0.3, causal)
+            for a, w in zip(got, want):
+                torch.testing.assert_close(a.double(), w, atol=1e-5, rtol=1e-5)
+            again = ops.short_attention_backward(g, q, k, v, probs.contiguous(), 0.3, causal)
+            assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_short_key_training_attention_edge_cases(monkeypatch, path):
     """ShortAttention beside the oracle where the model's callers differ from the plain case: a float bias

@@ -602,6 +602,19 @@ def built_once(cache: dict, lock: threading.Lock, build) -> bool:
     return cache["ok"]
 
 
+_OWN_KERNEL_LOCK = threading.RLock()  # (training threads, or a server's, may ask first at once: one builds)
+
+
+def own_kernel_serves(cache: dict, build) -> bool:
+    """Whether one of attnlab's own CPU training kernels (``csrc/``: dropout, GELU, attention) serves here: not
+    ``ATTNLAB_OWN_KERNELS=0``, on Linux (elsewhere the compiler flags differ), and ``build()`` true, asked once
+    per process (:func:`built_once`, its answer in ``cache["ok"]``): built for this CPU's vector extensions as
+    PyTorch runs them (a C++ compiler and ninja) and right on its check."""
+    if _env_off("ATTNLAB_OWN_KERNELS") or platform.system() != "Linux":
+        return False
+    return built_once(cache, _OWN_KERNEL_LOCK, build)
+
+
 def own_kernel_target(fma: bool = False) -> tuple[str, list[str]]:
     """(library name suffix, compiler flags) for attnlab's own CPU kernels (``csrc/``), for this CPU's vector
     extensions as PyTorch runs them (capped too): AVX-512, AVX2, or the compiler's baseline (SSE2 on x86, NEON

@@ -14,7 +14,8 @@
 // What it gains in a training step: docs/results.md (twenty-fourth #13 session).
 //
 // The products are register-blocked loops over GCC vector types (16 floats with AVX-512, 8 with AVX2 and 4
-// elsewhere), so one source serves every CPU the build targets (attnlab.accel.own_kernel_target). GQA: the g
+// elsewhere), so one source serves every CPU the build targets (attnlab.accel.own_kernel_target). So are the
+// softmax and its backward, row by row, on rows padded to whole vectors (the probabilities are saved so). GQA: the g
 // query heads that share a key/value head run in the same task, which sums their dK and dV. Built on first use
 // by torch.utils.cpp_extension (attnlab.accel.build_torch_ops); tests/test_pitfalls.py compares it with float64.
 #include <ATen/ATen.h>
@@ -26,13 +27,12 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
 
 namespace {
-
-using attnlab_vec::exp_nonpositive;
 
 #if defined(__AVX512F__)
 constexpr int VL = 16, ACC = 16;  // lanes per vector; accumulators per block (of 32 registers)
@@ -42,8 +42,28 @@ constexpr int VL = 8, ACC = 8;  // (of 16 registers)
 constexpr int VL = 4, ACC = 8;
 #endif
 typedef float vec __attribute__((vector_size(VL * sizeof(float)), aligned(alignof(float))));
+typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t)), aligned(alignof(int32_t))));
 
 inline int64_t padded(int64_t n) { return (n + VL - 1) / VL * VL; }
+inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
+inline void store(float* p, vec x) { *reinterpret_cast<vec*>(p) = x; }
+// The larger of two scores, or NaN where either is NaN (as torch's max and softmax propagate it)
+inline vec nan_max(vec x, vec m) { return ((x > m) | (x != x)) ? x : m; }
+// Constant lane vectors: {0, 1, …, VL − 1} + by, modulo VL
+template <int by, int... l>
+constexpr ivec lanes_from(std::integer_sequence<int, l...>) { return ivec{((l + by) % VL)...}; }
+template <int by>
+constexpr ivec lanes_from() { return lanes_from<by>(std::make_integer_sequence<int, VL>{}); }
+// Across the lanes of a vector in log2(VL) steps of a lane shuffle (one lane at a time is a chain of VL)
+template <int by = VL / 2, class Op>
+inline float across_lanes(vec x, Op op) {
+  if constexpr (by >= 1) {
+    return across_lanes<by / 2>(op(x, __builtin_shuffle(x, lanes_from<by>())), op);
+  } else {
+    return x[0];
+  }
+}
+inline float lanes_sum(vec x) { return across_lanes(x, [](vec a, vec b) { return a + b; }); }
 
 // Which part of a product causal attention needs: with rows [i0, i0 + MR) of C,
 // KEYS_IN_K: rows are queries, the sum runs over keys: k < i0 + MR + off (the block's last visible key + 1);
@@ -122,8 +142,77 @@ const float* rows_of(const float* src, int64_t s, int64_t rows, int64_t cols, in
 // dst (cols × P) = the transpose of a (rows × cols) slice with row stride s, zeros after rows
 void transposed(const float* src, int64_t s, int64_t rows, int64_t cols, int64_t P, float* dst) {
   for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * P + rows, dst + (c + 1) * P, 0.f);
-  for (int64_t r = 0; r < rows; ++r)
+  int64_t r = 0;
+  for (; r + VL <= rows; r += VL)  // VL rows at a time: each column's VL values stored as one vector
+    for (int64_t c = 0; c < cols; ++c) {
+      vec x;
+      for (int l = 0; l < VL; ++l) x[l] = src[(r + l) * s + c];
+      store(dst + c * P + r, x);
+    }
+  for (; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) dst[c * P + r] = src[r * s + c];
+}
+
+// The probabilities are saved with rows of a multiple of 16 floats (a multiple of VL on every build), so that
+// the softmax and its backward read and write whole vectors: (B, h, Tq, probs_stride(Tk)), handed out as the
+// (B, h, Tq, Tk) view of it.
+inline int64_t probs_stride(int64_t Tk) { return (Tk + 15) / 16 * 16; }
+inline ivec seen_lanes(int64_t j, int64_t seen) {  // all ones in lane l where j + l < seen
+  constexpr ivec lane = lanes_from<0>();
+  return lane + static_cast<int32_t>(j) < static_cast<int32_t>(seen);
+}
+
+// The softmax of a row of scores, in place: s[0, Tk) holds S over [0, seen) (garbage after), and gets
+// softmax(S·scale + bias) there and zeros after (up to Tk, and whole vectors); bias: the row's bias with stride
+// bs, or null. In vectors: the maximum and the sum are reductions, which the compiler leaves scalar (it keeps
+// the order of additions), and with them the exp, the costliest part of the forward for the shapes this kernel
+// serves. (Lanes past seen are masked in registers: a scalar store read back by a vector load stalls.)
+void softmax_row(float* s, int64_t seen, int64_t Tk, float scale, const float* bias, int64_t bs) {
+  const int64_t n = padded(seen);
+  vec mv = vec{} - INFINITY;
+  for (int64_t j = 0; j < n; j += VL) {
+    vec x = load(s + j) * scale;
+    if (bias) {
+      vec bv = vec{};
+      for (int l = 0; l < VL && j + l < seen; ++l) bv[l] = bias[(j + l) * bs];
+      x += bv;
+    }
+    x = seen_lanes(j, seen) ? x : vec{} - INFINITY;  // (exp(−inf) = 0)
+    store(s + j, x);
+    mv = nan_max(x, mv);  // the row's maximum, or NaN if a score is NaN (then every probability is NaN, as in
+  }                       // torch's softmax)
+  const float m = across_lanes(mv, nan_max);
+  const ivec sign = ivec{} + static_cast<int32_t>(0x80000000u);
+  vec sum = vec{};
+  for (int64_t j = 0; j < n; j += VL) {
+    const vec e = attnlab_vec::exp_nonpositive<vec, ivec>((vec)((ivec)(load(s + j) - m) | sign));  // exp(−|s − m|)
+    store(s + j, e);  // (−0.0 at the maximum: exp = 1)
+    sum += e;
+  }
+  const float inv = seen ? 1.0f / lanes_sum(sum) : 0.f;  // (a query that sees no key: probabilities and output 0)
+  for (int64_t j = 0; j < n; j += VL) store(s + j, seen_lanes(j, seen) ? load(s + j) * inv : vec{});
+  if (n < Tk) std::fill(s + n, s + Tk, 0.f);  // (read by the blocks of rows that see further, and by the backward)
+}
+
+// Whether (B, h, Tq, Tk) probabilities lie in rows of PS floats, PS a multiple of VL and at least TP, one after
+// the other, the last one's padding inside the storage too (the forward's layout)
+bool whole_vector_rows(const at::Tensor& p, int64_t TP) {
+  const int64_t PS = p.stride(2);
+  return p.scalar_type() == at::kFloat && p.stride(3) == 1 && PS >= TP && PS % VL == 0 &&
+         p.stride(1) == p.size(2) * PS && p.stride(0) == p.size(1) * p.size(2) * PS &&
+         p.storage().nbytes() >= (p.storage_offset() + p.size(0) * p.stride(0)) * sizeof(float);
+}
+
+// The softmax's backward for one row, in place: d[0, seen) holds dP (garbage after), p the probabilities
+// (whole vectors readable); d gets dS·scale = P ⊙ (dP − rowsum(dP ⊙ P))·scale, zeros after seen up to TP
+void softmax_backward_row(float* d, const float* p, int64_t seen, int64_t TP, float scale) {
+  const int64_t n = padded(seen);
+  vec acc = vec{};
+  for (int64_t j = 0; j < n; j += VL) acc += seen_lanes(j, seen) ? load(p + j) * load(d + j) : vec{};
+  const float rs = lanes_sum(acc);
+  for (int64_t j = 0; j < n; j += VL)
+    store(d + j, seen_lanes(j, seen) ? load(p + j) * (load(d + j) - rs) * scale : vec{});
+  std::fill(d + n, d + TP, 0.f);  // (read by the blocks of rows that see further)
 }
 
 at::Tensor float_rows(const at::Tensor& t, const char* name) {  // fp32 on CPU, each row contiguous
@@ -156,12 +245,13 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q_, const a
     bias = bias_->expand({B, h, Tq, Tk});  // (a view: broadcast axes keep stride 0)
   }
   at::Tensor out = at::empty({B, Tq, h, hd}, q.options());
-  at::Tensor probs = at::empty({B, h, Tq, Tk}, q.options());
+  const int64_t PS = probs_stride(Tk);
+  at::Tensor probs = at::empty({B, h, Tq, PS}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float *op = out.data_ptr<float>(), *pp = probs.data_ptr<float>();
   at::parallel_for(0, B * kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(hd * TP), vbuf(hd == HP ? 0 : Tk * HP), S(Tq * TP), O(hd == HP ? 0 : Tq * HP);
+    std::vector<float> kt(hd * TP), vbuf(hd == HP ? 0 : Tk * HP), O(hd == HP ? 0 : Tq * HP);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv, c = task % kv;
       transposed(kp + b * k.stride(0) + c * k.stride(1), k.stride(2), Tk, hd, TP, kt.data());  // Kᵀ (hd, TP)
@@ -170,39 +260,23 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q_, const a
       for (int64_t r = 0; r < g; ++r) {
         const int64_t head = c * g + r;
         const float* qh = qp + b * q.stride(0) + head * q.stride(1);
-        run({Tq, TP, hd, qh, q.stride(2), 1, kt.data(), TP, S.data(), TP, false, causal ? KEYS_IN_N : NONE, off});
-        float* ph = pp + (b * h + head) * Tq * Tk;  // (Tq, Tk)
+        float* ph = pp + (b * h + head) * Tq * PS;  // (Tq, PS)
+        run({Tq, TP, hd, qh, q.stride(2), 1, kt.data(), TP, ph, PS, false, causal ? KEYS_IN_N : NONE, off});  // S
         for (int64_t i = 0; i < Tq; ++i) {
-          float* s = S.data() + i * TP;
-          float* prow = ph + i * Tk;
           const int64_t seen = causal ? std::min(Tk, std::max<int64_t>(0, i + off + 1)) : Tk;
-          if (bp) {
-            const float* brow = bp + b * bias.stride(0) + head * bias.stride(1) + i * bias.stride(2);
-            for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + brow[j * bias.stride(3)];
-          } else {
-            for (int64_t j = 0; j < seen; ++j) s[j] *= scale;
-          }
-          float m = seen ? s[0] : 0.f;  // the row's maximum, or NaN if a score is NaN (then every probability is NaN,
-          for (int64_t j = 1; j < seen; ++j) m = (s[j] > m || s[j] != s[j]) ? s[j] : m;  // as in torch's softmax)
-          float sum = 0.f;
-          for (int64_t j = 0; j < seen; ++j) {
-            s[j] = exp_nonpositive(-std::fabs(s[j] - m));  // (−0.0 at the maximum: exp = 1)
-            sum += s[j];
-          }
-          const float inv = seen ? 1.0f / sum : 0.f;  // (a query that sees no key: probabilities and output 0)
-          for (int64_t j = 0; j < seen; ++j) prow[j] = s[j] * inv;
-          std::fill(prow + seen, prow + Tk, 0.f);
+          const float* brow = bp ? bp + b * bias.stride(0) + head * bias.stride(1) + i * bias.stride(2) : nullptr;
+          softmax_row(ph + i * PS, seen, Tk, scale, brow, bias.defined() ? bias.stride(3) : 0);
         }
         float* oh = op + (b * Tq * h + head) * hd;  // row i at oh + i·h·hd
         float* dst = hd == HP ? oh : O.data();
         const int64_t sd = hd == HP ? h * hd : HP;
-        run({Tq, HP, Tk, ph, Tk, 1, vr, sv, dst, sd, false, causal ? KEYS_IN_K : NONE, off});  // O = P·V
+        run({Tq, HP, Tk, ph, PS, 1, vr, sv, dst, sd, false, causal ? KEYS_IN_K : NONE, off});  // O = P·V
         if (hd != HP)
           for (int64_t i = 0; i < Tq; ++i) std::memcpy(oh + i * h * hd, O.data() + i * HP, hd * sizeof(float));
       }
     }
   });
-  return {out.transpose(1, 2), probs};
+  return {out.transpose(1, 2), probs.narrow(3, 0, Tk)};
 }
 
 // → (dq, dk, dv): (B, h, Tq, hd) in (B, Tq, h, hd) memory and (B, kv, Tk, hd) in (B, Tk, kv, hd) memory
@@ -210,15 +284,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
     const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const at::Tensor& probs_, double scale_, bool causal) {
   const at::Tensor q = float_rows(q_, "q"), k = float_rows(k_, "k"), v = float_rows(v_, "v");
-  const at::Tensor go = float_rows(grad_out_, "grad_out"), probs = probs_.contiguous();
+  const at::Tensor go = float_rows(grad_out_, "grad_out");
   check_shapes(q, k, v);
   const int64_t B = q.size(0), h = q.size(1), Tq = q.size(2), hd = q.size(3), kv = k.size(1), Tk = k.size(2);
-  TORCH_CHECK(go.sizes() == q.sizes() && probs.sizes() == at::IntArrayRef({B, h, Tq, Tk}) &&
-                  probs.scalar_type() == at::kFloat,
-              "attnlab::short_attention_backward: grad_out ", go.sizes(), " and probs ", probs.sizes(),
+  TORCH_CHECK(go.sizes() == q.sizes() && probs_.sizes() == at::IntArrayRef({B, h, Tq, Tk}) &&
+                  probs_.scalar_type() == at::kFloat,
+              "attnlab::short_attention_backward: grad_out ", go.sizes(), " and probs ", probs_.sizes(),
               " do not match q ", q.sizes(), " and k ", k.sizes());
   const int64_t g = h / kv, TP = padded(Tk), HP = padded(hd), off = Tk - Tq;
   const float scale = static_cast<float>(scale_);
+  at::Tensor probs = probs_;  // the forward's, whole vectors readable after each row; any other layout copied
+  if (!whole_vector_rows(probs, TP)) {
+    probs = at::zeros({B, h, Tq, probs_stride(Tk)}, probs_.options());
+    probs.narrow(3, 0, Tk).copy_(probs_);
+  }
+  const int64_t PS = probs.stride(2);
   at::Tensor dq = at::empty({B, Tq, h, hd}, q.options());
   at::Tensor dk = at::empty({B, Tk, kv, hd}, q.options());
   at::Tensor dv = at::empty({B, Tk, kv, hd}, q.options());
@@ -239,19 +319,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
         const float* gh = gp + b * go.stride(0) + head * go.stride(1);
         const float* qr = rows_of(qp + b * q.stride(0) + head * q.stride(1), q.stride(2), Tq, hd, HP, qbuf.data(), &sq);
         const float* gr = rows_of(gh, go.stride(2), Tq, hd, HP, gbuf.data(), &sg);
-        const float* ph = pp + (b * h + head) * Tq * Tk;  // (Tq, Tk)
+        const float* ph = pp + (b * h + head) * Tq * PS;  // (Tq, PS)
         run({Tq, TP, hd, gh, go.stride(2), 1, vt.data(), TP, D.data(), TP, false, causal ? KEYS_IN_N : NONE, off});  // dP
         for (int64_t i = 0; i < Tq; ++i) {
-          float* d = D.data() + i * TP;
-          const float* prow = ph + i * Tk;
           const int64_t seen = causal ? std::min(Tk, std::max<int64_t>(0, i + off + 1)) : Tk;
-          float rs = 0.f;
-          for (int64_t j = 0; j < seen; ++j) rs += prow[j] * d[j];
-          for (int64_t j = 0; j < seen; ++j) d[j] = prow[j] * (d[j] - rs) * scale;  // dS·scale
-          std::fill(d + seen, d + TP, 0.f);  // (read by the blocks of rows that see further)
+          softmax_backward_row(D.data() + i * TP, ph + i * PS, seen, TP, scale);
         }
         const Skip queries = causal ? QUERIES_IN_K : NONE, keys = causal ? KEYS_IN_K : NONE;
-        run({Tk, HP, Tq, ph, 1, Tk, gr, sg, dV.data(), HP, r > 0, queries, off});        // dV (+)= Pᵀ·dO
+        run({Tk, HP, Tq, ph, 1, PS, gr, sg, dV.data(), HP, r > 0, queries, off});        // dV (+)= Pᵀ·dO
         run({Tk, HP, Tq, D.data(), 1, TP, qr, sq, dK.data(), HP, r > 0, queries, off});  // dK (+)= dSᵀ·Q·scale
         float* dqh = dqp + (b * Tq * h + head) * hd;  // row i at dqh + i·h·hd
         run({Tq, HP, Tk, D.data(), TP, 1, kr, sk, pad ? dQ.data() : dqh, pad ? HP : h * hd, false, keys, off});  // dQ

@@ -41,4 +41,28 @@ inline float exp_nonpositive(float y) {
   return e;
 }
 
+// The same on a GCC vector of floats F (I: the int32 vector of as many lanes), lane by lane, for the loops the
+// compiler does not vectorise itself: those that also sum (a softmax's denominator), whose order of additions
+// it must keep without -ffast-math.
+template <class F, class I>
+inline F exp_nonpositive(F y) {
+  I bits = (I)y;  // (a cast between vectors of one size keeps the bits)
+  const I minus_87 = I{} + static_cast<int32_t>(0xC2AE0000u);
+  const I in_range = bits <= minus_87;  // (a vector compare gives all ones where true)
+  bits = bits < minus_87 ? bits : minus_87;
+  y = (F)bits;
+  const F n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  F r = y - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I scale_bits = (__builtin_convertvector(n, I) + 127) << 23;  // 2^n
+  return (F)((I)(p * (F)scale_bits) & in_range);
+}
+
 }  // namespace attnlab_vec

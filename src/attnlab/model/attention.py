@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import platform
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -271,7 +269,6 @@ def _compact(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 _SHORT: dict = {}  # "ok" → whether attnlab::short_attention is built and right here (once per process)
-_SHORT_LOCK = threading.Lock()
 
 
 def _kernel_serves() -> bool:
@@ -284,9 +281,7 @@ def fused_short_attention() -> bool:
     ``layers.fused_dropout`` (not ``ATTNLAB_OWN_KERNELS=0``, Linux, built once per process for this CPU's vector
     extensions, and right on a check against float64)."""
     from .. import accel
-    if accel._env_off("ATTNLAB_OWN_KERNELS") or platform.system() != "Linux":
-        return False
-    return accel.built_once(_SHORT, _SHORT_LOCK, _build_short_attention)
+    return accel.own_kernel_serves(_SHORT, _build_short_attention)
 
 
 def _build_short_attention() -> bool:
@@ -318,9 +313,10 @@ def _build_short_attention() -> bool:
         out, _ = torch.ops.attnlab.short_attention(one, one[:, :, :2], one[:, :, :2], None, 1.0, True)
         return ok and bool((out[0, 0, 0] == 0).all() and (out[0, 0, 1:] == 1).all())
 
-    def short_attention(q, k, v, bias, scale, causal):
+    def short_attention(q, k, v, bias, scale, causal):  # (the probabilities' rows padded to 16 floats, as the kernel's)
         B, h, Tq, hd = q.shape
-        return q.new_empty(B, Tq, h, hd).transpose(1, 2), q.new_empty(B, h, Tq, k.shape[2])
+        Tk = k.shape[2]
+        return q.new_empty(B, Tq, h, hd).transpose(1, 2), q.new_empty(B, h, Tq, (Tk + 15) // 16 * 16)[..., :Tk]
 
     def short_attention_backward(grad_out, q, k, v, probs, scale, causal):
         B, kv, Tk, hd = k.shape

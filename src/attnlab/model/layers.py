@@ -5,8 +5,6 @@ Every layer keeps the shape (batch, seq, d_model): that is what lets layers stac
 
 from __future__ import annotations
 
-import platform
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -134,7 +132,6 @@ class _FusedDropoutAdd(torch.autograd.Function):
 
 
 _FUSED: dict = {}  # "ok" → whether attnlab::dropout is built and right here (once per process)
-_FUSED_LOCK = threading.Lock()  # (training threads, or a server's, may ask first at once: one builds)
 
 
 def fused_dropout() -> bool:
@@ -143,10 +140,9 @@ def fused_dropout() -> bool:
     compiler flags differ), and where it builds (a C++ compiler and ninja; tried once per process, for
     this CPU's vector extensions as PyTorch runs them) and passes a check."""
     from .. import accel
-    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or accel._env_off("ATTNLAB_OWN_KERNELS")
-            or platform.system() != "Linux"):
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
-    return accel.built_once(_FUSED, _FUSED_LOCK, _build_fused_dropout)
+    return accel.own_kernel_serves(_FUSED, _build_fused_dropout)
 
 
 def _build_fused_dropout() -> bool:
@@ -235,16 +231,13 @@ class _GeluWithSlope(torch.autograd.Function):
 
 
 _GELU: dict = {}  # "ok" → whether attnlab::gelu_and_slope is built and right here (once per process)
-_GELU_LOCK = threading.Lock()
 
 
 def fused_gelu() -> bool:
     """Whether :func:`gelu` takes attnlab's kernel: as :func:`fused_dropout` (not ``ATTNLAB_OWN_KERNELS=0``,
     Linux, built once per process for this CPU's vector extensions, and right on a check)."""
     from .. import accel
-    if accel._env_off("ATTNLAB_OWN_KERNELS") or platform.system() != "Linux":
-        return False
-    return accel.built_once(_GELU, _GELU_LOCK, _build_fused_gelu)
+    return accel.own_kernel_serves(_GELU, _build_fused_gelu)
 
 
 def _build_fused_gelu() -> bool:
