@@ -8,6 +8,20 @@
 
 namespace attnlab_vec {
 
+// exp(r) for r = y − n·ln 2 (ln 2 in two parts), |r| <= ln 2 / 2: Cephes' expf polynomial, on a float or lane by
+// lane on a GCC vector of floats
+template <class F>
+inline F exp_of_remainder(F y, F n) {
+  F r = y - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  F p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(y) for y <= 0: Cephes' expf (round to y·log2(e), a degree-6 polynomial, the power of two in the
 // exponent bits), and 0 below -87 (exp < 2^-125), for -inf and for NaN. As int32, the bit patterns of negative
 // floats grow with their magnitude: the range test and the clamp that keeps the polynomial finite are integer
@@ -21,15 +35,7 @@ inline float exp_nonpositive(float y) {
   bits = bits < minus_87 ? bits : minus_87;
   std::memcpy(&y, &bits, 4);
   const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // y·log2(e) to the nearest integer
-  float r = y - n * 0.693359375f;  // y − n·ln 2, ln 2 in two parts
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float p = exp_of_remainder(y, n);
   const int32_t scale_bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
   float scale;
   std::memcpy(&scale, &scale_bits, 4);
@@ -52,15 +58,7 @@ inline F exp_nonpositive(F y) {
   bits = bits < minus_87 ? bits : minus_87;
   y = (F)bits;
   const F n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  F r = y - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  F p = F{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const F p = exp_of_remainder(y, n);
   const I scale_bits = (__builtin_convertvector(n, I) + 127) << 23;  // 2^n
   return (F)((I)(p * (F)scale_bits) & in_range);
 }
