@@ -259,46 +259,53 @@ def test_short_key_training_attention_equals_the_oracle(monkeypatch, case, path)
         assert got.dtype == torch.bfloat16 and got.transpose(1, 2).is_contiguous()
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
 def test_attention_kernel_rows_of_every_length(monkeypatch, isa):
     """The kernel's operators against float64 where its vector loops have tails: rows of 1-64 keys (one lane
-    to four whole vectors, the softmax's masked lanes among them), causal or not, more keys than queries, a
-    broadcast bias with -inf entries; the probabilities it hands the backward are the softmax's, zero past each
-    row's last key, and a backward given them in another layout (contiguous) gives the same gradients. ``avx2``:
-    the same in a child process capped at AVX2 (8 lanes; accel.AVX2_ENVIRONMENT), on CPUs with AVX-512."""
+    to four whole vectors, the softmax's masked lanes among them), causal or not, more keys than queries, more
+    queries than keys (rows that see no key: zeros), a broadcast bias with -inf entries (with a causal mask too),
+    head sizes that are and are not a multiple of the vector; the probabilities it hands the backward are the
+    softmax's, zero past each row's last key, and a backward given them in another layout (contiguous) gives the
+    same gradients. ``avx2``: the same in a child process capped at AVX2 (8 lanes; accel.AVX2_ENVIRONMENT), on
+    CPUs with AVX-512; ``baseline``: at PyTorch's default capability (4 lanes, the build of CPUs without AVX2)."""
     import os
     import subprocess
     import sys
     from attnlab import accel
-    from attnlab.model import attention
-    if isa == "avx2":
-        if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
-            pytest.skip("already capped")
-        if not {"avx512f", "avx2"} <= accel.cpu_flags():
-            pytest.skip("the AVX2 build differs from the native one only on an AVX-512 CPU")
+    if isa != "native":
+        if os.environ.get("ATEN_CPU_CAPABILITY"):
+            pytest.skip("capped already")
+        if not ({"avx512f", "avx2"} if isa == "avx2" else {"avx2"}) <= accel.cpu_flags():
+            pytest.skip(f"the {isa} build is the native one on this CPU")
+        _own_kernels_on(monkeypatch)
+        env = accel.AVX2_ENVIRONMENT if isa == "avx2" else {"ATEN_CPU_CAPABILITY": "default"}
         res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                               f"{__file__}::test_attention_kernel_rows_of_every_length[native]"],
-                             env={**os.environ, **accel.AVX2_ENVIRONMENT}, capture_output=True, text=True, timeout=300)
+                             env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
         return
-    _attention_path(monkeypatch, "kernel")
+    from attnlab.model import attention
+    _own_kernels_on(monkeypatch)
+    assert attention.fused_short_attention()  # (where the tools are, a failed build or check fails here)
     torch.manual_seed(0)
     ops = torch.ops.attnlab
-    for Tk in (1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 50, 64):
-        for causal, Tq in ((False, Tk), (True, Tk), (True, max(1, Tk // 2))):
-            B, h, kv, hd = 2, 4, 2, 12
+    for n, Tk in enumerate((1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 50, 64)):
+        for causal, Tq, with_bias in ((False, Tk, True), (True, Tk, False), (True, max(1, Tk // 2), True),
+                                      (True, Tk + 3, False)):
+            B, h, kv, hd = 2, 4, 2, (12, 16)[n % 2]
             x = torch.randn(B, max(Tq, Tk), 3, h, hd)  # (q, k, v from one projection's memory, as the model has them)
             q, k, v = x[:, :Tq, 0].transpose(1, 2), x[:, :Tk, 1, :kv].transpose(1, 2), x[:, :Tk, 2, :kv].transpose(1, 2)
-            bias = None if causal else torch.randn(B, 1, 1, Tk).masked_fill(torch.rand(B, 1, 1, Tk) < 0.2, float("-inf"))
-            if bias is not None:
-                bias[..., 0] = 0.0  # (every row sees a key)
+            bias = None
+            if with_bias:
+                bias = torch.randn(B, 1, 1, Tk).masked_fill(torch.rand(B, 1, 1, Tk) < 0.2, float("-inf"))
+                bias[..., 0] = 0.0  # (every row that sees a key sees one with a finite score)
             out, probs = ops.short_attention(q, k, v, bias, 0.3, causal)
             q64, k64, v64 = (t.double() for t in (q, k, v))
             k64, v64 = k64.repeat_interleave(h // kv, 1), v64.repeat_interleave(h // kv, 1)
             s = q64 @ k64.transpose(-1, -2) * 0.3 + (0 if bias is None else bias.double())
             if causal:
                 s = s.masked_fill(~causal_mask(Tq, Tk, "cpu"), float("-inf"))
-            p = s.softmax(-1)
+            p = s.softmax(-1).nan_to_num(0.0)  # (a row that sees no key: zeros)
             torch.testing.assert_close(probs.double(), p, atol=1e-6, rtol=1e-5)
             assert bool((probs[p == 0] == 0).all())
             torch.testing.assert_close(out.double(), p @ v64, atol=1e-5, rtol=1e-5)
@@ -587,19 +594,25 @@ def test_short_attention_bf16_products_keep_fp32_scores():
         assert err(got.grad, want.grad) <= 2 * err(f.grad.bfloat16(), want.grad)
 
 
-def _dropout_path(monkeypatch, path):
-    """``kernel``: attnlab's CPU kernel (skipped where it cannot build); ``torch``: the path without it."""
+def _own_kernels_on(monkeypatch):
+    """attnlab's own CPU kernels switched on (whatever the environment says); the test skipped where they
+    cannot build (not Linux, no C++ compiler or no ninja)."""
     import platform
     from torch.utils import cpp_extension
     from attnlab import accel
+    monkeypatch.delenv("ATTNLAB_OWN_KERNELS", raising=False)
+    accel._ninja_on_path()
+    if platform.system() != "Linux" or accel.cxx_compiler() is None or not cpp_extension.is_ninja_available():
+        pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler and ninja")
+
+
+def _dropout_path(monkeypatch, path):
+    """``kernel``: attnlab's CPU kernel (skipped where it cannot build); ``torch``: the path without it."""
     from attnlab.model import layers
     if path == "torch":
         monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
     else:
-        monkeypatch.delenv("ATTNLAB_OWN_KERNELS", raising=False)
-        accel._ninja_on_path()
-        if platform.system() != "Linux" or accel.cxx_compiler() is None or not cpp_extension.is_ninja_available():
-            pytest.skip("attnlab's dropout kernel is built on Linux with a C++ compiler and ninja")
+        _own_kernels_on(monkeypatch)
     assert layers.fused_dropout() == (path == "kernel")  # (where the tools are, a failed build fails here)
 
 

@@ -592,8 +592,9 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def built_once(cache: dict, lock: threading.Lock, build) -> bool:
-    """``cache["ok"]``, set by ``build()`` the first time any thread asks (the others wait for it): how
+def built_once(cache: dict, lock, build) -> bool:
+    """``cache["ok"]``, set by ``build()`` the first time any thread asks (the others wait for ``lock``, a
+    ``threading.Lock`` or ``RLock``): how
     attnlab's own kernels are built or found missing once per process."""
     if "ok" not in cache:
         with lock:
@@ -618,7 +619,8 @@ def own_kernel_serves(cache: dict, build) -> bool:
 def own_kernel_target(fma: bool = False) -> tuple[str, list[str]]:
     """(library name suffix, compiler flags) for attnlab's own CPU kernels (``csrc/``), for this CPU's vector
     extensions as PyTorch runs them (capped too): AVX-512, AVX2, or the compiler's baseline (SSE2 on x86, NEON
-    on ARM). The kernels are plain loops the compiler vectorises for these flags. ``fma``: with fused
+    on ARM). The kernels are loops the compiler vectorises for these flags, or GCC vector types of their width
+    (the attention kernel: 16, 8 or 4 floats). ``fma``: with fused
     multiply-adds too where the CPU has them (one rounding per step of a polynomial or a product, and faster;
     the dropout kernel, bit-exact to its torch path, goes without)."""
     capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2 (also when capped), or another

@@ -54,11 +54,20 @@ template <int by, int... l>
 constexpr ivec lanes_from(std::integer_sequence<int, l...>) { return ivec{((l + by) % VL)...}; }
 template <int by>
 constexpr ivec lanes_from() { return lanes_from<by>(std::make_integer_sequence<int, VL>{}); }
+// x's lanes moved down by `by` (lane l gets lane l + by, modulo VL)
+template <int by, int... l>
+inline vec rotated(vec x, std::integer_sequence<int, l...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(x, x, ((l + by) % VL)...);
+#else
+  return __builtin_shuffle(x, lanes_from<by>());  // (GCC before 12 has no __builtin_shufflevector)
+#endif
+}
 // Across the lanes of a vector in log2(VL) steps of a lane shuffle (one lane at a time is a chain of VL)
 template <int by = VL / 2, class Op>
 inline float across_lanes(vec x, Op op) {
   if constexpr (by >= 1) {
-    return across_lanes<by / 2>(op(x, __builtin_shuffle(x, lanes_from<by>())), op);
+    return across_lanes<by / 2>(op(x, rotated<by>(x, std::make_integer_sequence<int, VL>{})), op);
   } else {
     return x[0];
   }

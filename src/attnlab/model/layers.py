@@ -5,7 +5,6 @@ Every layer keeps the shape (batch, seq, d_model): that is what lets layers stac
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
