@@ -278,8 +278,8 @@ def _kernel_serves() -> bool:
 
 def fused_short_attention() -> bool:
     """Whether ShortAttention's fp32 inputs take attnlab's kernel (``csrc/short_attention.cpp``): as
-    ``layers.fused_dropout`` (not ``ATTNLAB_OWN_KERNELS=0``, Linux, built once per process for this CPU's vector
-    extensions, and right on a check against float64)."""
+    ``accel.own_kernel_serves`` says (not ``ATTNLAB_OWN_KERNELS=0``, Linux, built once per process for this
+    CPU's vector extensions, and right on a check against float64)."""
     from .. import accel
     return accel.own_kernel_serves(_SHORT, _build_short_attention)
 

@@ -134,10 +134,10 @@ _FUSED: dict = {}  # "ok" → whether attnlab::dropout is built and right here (
 
 
 def fused_dropout() -> bool:
-    """Whether :class:`Dropout` takes attnlab's kernel on CPU: not ``ATTNLAB_OWN_KERNELS=0``, not while
-    torch.compile or torch.jit traces (a traced seed would be a constant), on Linux (elsewhere the
-    compiler flags differ), and where it builds (a C++ compiler and ninja; tried once per process, for
-    this CPU's vector extensions as PyTorch runs them) and passes a check."""
+    """Whether :class:`Dropout` takes attnlab's kernel on CPU: not while torch.compile or torch.jit traces (a
+    traced seed would be a constant), and where ``accel.own_kernel_serves`` says so (not
+    ``ATTNLAB_OWN_KERNELS=0``, Linux, built once per process for this CPU's vector extensions, and right on a
+    check)."""
     from .. import accel
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
@@ -233,8 +233,9 @@ _GELU: dict = {}  # "ok" → whether attnlab::gelu_and_slope is built and right 
 
 
 def fused_gelu() -> bool:
-    """Whether :func:`gelu` takes attnlab's kernel: as :func:`fused_dropout` (not ``ATTNLAB_OWN_KERNELS=0``,
-    Linux, built once per process for this CPU's vector extensions, and right on a check)."""
+    """Whether :func:`gelu` takes attnlab's kernel (``csrc/gelu.cpp``): as ``accel.own_kernel_serves`` says
+    (not ``ATTNLAB_OWN_KERNELS=0``, Linux, built once per process for this CPU's vector extensions, and right
+    on a check)."""
     from .. import accel
     return accel.own_kernel_serves(_GELU, _build_fused_gelu)
 
