@@ -74,6 +74,7 @@ def test_train_speed_profile_splits_each_step():
         p = row[key]["profile"]
         assert 0 < p["products_ms"] < p["profiled_ms"], (key, p)
         assert len(p["top_ops_ms"]) == 6 and sum(p["top_ops_ms"].values()) <= p["profiled_ms"] * 1.05, (key, p)
+        assert isinstance(p["minor_faults_per_call"], int) and p["minor_faults_per_call"] >= 0, (key, p)
         # no product runs faster than the matmul peak: the products PRODUCT_OPS finds must take at least the
         # model's FLOPs at the peak (MFU × step), or it missed some (oneDNN's, MKL's)
         assert p["products_ms"] >= 0.8 * row[key]["mfu"] * row[key]["ms_per_step"], (key, p, row[key]["mfu"])
