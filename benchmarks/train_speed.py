@@ -249,7 +249,7 @@ def profile_units(unit, n: int, device: str = "cpu") -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     cuda = torch.device(device).type == "cuda"  # then each operator's time on the GPU (its kernels')
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         synchronize(device)
         t0 = time.perf_counter()
@@ -257,7 +257,7 @@ def profile_units(unit, n: int, device: str = "cpu") -> dict:
             unit()
         synchronize(device)
         wall = time.perf_counter() - t0
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults  # (before the profiler builds its results)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0.ru_minflt  # (before the profiler builds its results)
     products = fused_attention = 0.0
     ops = []
     for event in prof.key_averages():

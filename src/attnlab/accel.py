@@ -594,8 +594,7 @@ def _ninja_on_path() -> None:
 
 def built_once(cache: dict, lock, build) -> bool:
     """``cache["ok"]``, set by ``build()`` the first time any thread asks (the others wait for ``lock``, a
-    ``threading.Lock`` or ``RLock``): how
-    attnlab's own kernels are built or found missing once per process."""
+    ``threading.Lock`` or ``RLock``): how attnlab's own kernels are built or found missing once per process."""
     if "ok" not in cache:
         with lock:
             if "ok" not in cache:
