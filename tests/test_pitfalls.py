@@ -598,12 +598,39 @@ def _own_kernels_on(monkeypatch):
     """attnlab's own CPU kernels switched on (whatever the environment says); the test skipped where they
     cannot build (not Linux, no C++ compiler or no ninja)."""
     import platform
-    from torch.utils import cpp_extension
     from attnlab import accel
     monkeypatch.delenv("ATTNLAB_OWN_KERNELS", raising=False)
-    accel._ninja_on_path()
-    if platform.system() != "Linux" or accel.cxx_compiler() is None or not cpp_extension.is_ninja_available():
+    if platform.system() != "Linux" or not accel.can_build_kernels():
         pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler and ninja")
+
+
+def test_own_kernels_build_with_the_ninja_package_whatever_comes_first_on_path(monkeypatch, tmp_path):
+    """attnlab's kernels build with the ``ninja`` package's binary, not whichever ninja PATH finds first: ninja
+    keeps a hash of each command in the build folder and versions differ in it, so two processes that found
+    different ninjas (a shell with the virtual environment activated and one without, as the suite's forked
+    commands and its own process were) rebuilt each other's kernels every time they took turns."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+    from attnlab import accel
+    ninja = pytest.importorskip("ninja")
+    fake = tmp_path / "ninja"  # another ninja, first on PATH: one that fails
+    fake.write_text("#!/bin/sh\necho 'the wrong ninja' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    path = f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"
+    monkeypatch.setenv("PATH", path)
+    assert shutil.which("ninja") == str(fake)
+    with accel.package_ninja_first():
+        found = shutil.which("ninja")
+        assert found is not None and Path(found).resolve() == (Path(ninja.BIN_DIR) / "ninja").resolve()
+        version = subprocess.run(["ninja", "--version"], capture_output=True, text=True)
+        assert version.returncode == 0 and version.stdout.startswith(ninja.__version__.split("+")[0])
+    assert os.environ["PATH"] == path  # the process's PATH as it was
+    with pytest.raises(RuntimeError), accel.package_ninja_first():
+        raise RuntimeError("a failed build")
+    assert os.environ["PATH"] == path
+    assert accel.can_build_kernels() is (accel.cxx_compiler() is not None)  # the failing ninja was not the one asked
 
 
 def _dropout_path(monkeypatch, path):

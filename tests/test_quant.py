@@ -606,10 +606,7 @@ print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
 
 def _own_kernel_tools() -> bool:
     """What attnlab's kernels need to build here: AVX2, FMA and F16C, a C++ compiler and ninja."""
-    from torch.utils import cpp_extension
-    accel._ninja_on_path()
-    return ({"avx2", "fma", "f16c"} <= accel.cpu_flags() and accel.cxx_compiler() is not None
-            and cpp_extension.is_ninja_available())
+    return {"avx2", "fma", "f16c"} <= accel.cpu_flags() and accel.can_build_kernels()
 
 
 needs_own_kernel = pytest.mark.skipif(not _own_kernel_tools(), reason="no AVX2+FMA+F16C, C++ compiler or ninja here")

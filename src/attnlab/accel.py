@@ -29,6 +29,7 @@ benchmarks' ``--as-avx2`` does); :func:`cpu_isa` then says "AVX2 (capped on ...)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -581,15 +582,35 @@ def cxx_compiler() -> str | None:
     return None
 
 
-def _ninja_on_path() -> None:
-    """cpp_extension runs ``ninja`` from PATH; pip's ``ninja`` package (a dependency) installs it next
-    to this Python, which is not on PATH when a virtual environment's Python is run without activating it."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+@contextlib.contextmanager
+def package_ninja_first():
+    """PATH with the ``ninja`` package's binary first (a dependency of attnlab), for the extension build it wraps;
+    PATH as it was without the package. cpp_extension runs ``ninja`` from PATH, and ninja keeps a hash of each
+    command it ran in the build folder, a hash that changes between ninja versions (Debian's 1.11 and pip's 1.13
+    here): two processes that found different ninjas first (a shell with the virtual environment activated, one
+    without) rebuilt each other's kernels in torch's extension cache, ~10 s a kernel, each time they took turns.
+    One ninja for every attnlab process, whatever its PATH, builds a kernel once."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + (before or os.defpath)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
+def can_build_kernels() -> bool:
+    """Whether attnlab's own kernels (``csrc/``) can be built here: a C++ compiler and ninja."""
+    from torch.utils import cpp_extension
+    with package_ninja_first():
+        return cxx_compiler() is not None and cpp_extension.is_ninja_available()
 
 
 def built_once(cache: dict, lock, build) -> bool:
@@ -639,15 +660,15 @@ def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str |
     process. None when ``op`` is loaded; else why not (no C++ compiler, no ninja: checked every time). A
     failed build raises."""
     from torch.utils import cpp_extension
-    _ninja_on_path()
-    if cxx_compiler() is None or not cpp_extension.is_ninja_available():
+    if not can_build_kernels():
         return "no C++ compiler or no ninja (pip install ninja)"
     if hasattr(torch.ops.attnlab, op):
         return None
     path = os.path.join(os.path.dirname(__file__), "csrc", source)
     # -fopenmp: at::parallel_for is PyTorch's OpenMP loop, serial in code built without it
-    cpp_extension.load(name=name, sources=[path], is_python_module=False,
-                       extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
+    with package_ninja_first():
+        cpp_extension.load(name=name, sources=[path], is_python_module=False,
+                           extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
     return None
 
 
