@@ -612,6 +612,8 @@ def test_own_kernels_build_with_the_ninja_package_whatever_comes_first_on_path(m
     import os
     import shutil
     import subprocess
+    import threading
+    import time
     from pathlib import Path
     from attnlab import accel
     ninja = pytest.importorskip("ninja")
@@ -629,6 +631,24 @@ def test_own_kernels_build_with_the_ninja_package_whatever_comes_first_on_path(m
     assert os.environ["PATH"] == path  # the process's PATH as it was
     with pytest.raises(RuntimeError), accel.package_ninja_first():
         raise RuntimeError("a failed build")
+    assert os.environ["PATH"] == path
+    first_in = threading.Event()  # two threads' builds overlapping: the second must not restore the first's PATH
+
+    def first():
+        with accel.package_ninja_first():
+            first_in.set()
+            time.sleep(0.1)
+
+    def second():  # in while the first is, out after it
+        first_in.wait(5)
+        with accel.package_ninja_first():
+            time.sleep(0.3)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
     assert os.environ["PATH"] == path
     assert accel.can_build_kernels() is (accel.cxx_compiler() is not None)  # the failing ninja was not the one asked
 

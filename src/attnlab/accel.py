@@ -589,21 +589,26 @@ def package_ninja_first():
     command it ran in the build folder, a hash that changes between ninja versions (Debian's 1.11 and pip's 1.13
     here): two processes that found different ninjas first (a shell with the virtual environment activated, one
     without) rebuilt each other's kernels in torch's extension cache, ~10 s a kernel, each time they took turns.
-    One ninja for every attnlab process, whatever its PATH, builds a kernel once."""
+    One ninja for every attnlab process, whatever its PATH, builds a kernel once. (Builds in two threads take
+    turns here, so that neither restores the PATH the other set.)"""
     try:
         import ninja
     except ImportError:
         yield
         return
-    before = os.environ.get("PATH")
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + (before or os.defpath)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = before
+    with _PATH_LOCK:
+        before = os.environ.get("PATH")
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + (before or os.defpath)
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = before
+
+
+_PATH_LOCK = threading.RLock()
 
 
 def can_build_kernels() -> bool:
