@@ -253,6 +253,8 @@ def test_linear_takes_onednn_only_for_eager_fp32_training_on_amd_avx512(monkeypa
     from attnlab import accel
     lin = Linear(16, 8)
     x = torch.randn(4, 16)
+    # a product this small stays on F.linear (the threshold's own test is below); here every size may go
+    monkeypatch.setattr(accel, "ONEDNN_TRAINING_MIN_MACS", 0)
     amd_avx512 = (accel.cpu_vendor() == "AuthenticAMD" and accel._ONEDNN_ISA_CAP == "ALL"
                   and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= accel.cpu_flags()
                   and not accel._env_off("ATTNLAB_PACKED_LINEAR"))  # (CI runs this file with the switch off too)
@@ -286,6 +288,28 @@ def test_linear_takes_onednn_only_for_eager_fp32_training_on_amd_avx512(monkeypa
     monkeypatch.setattr(accel, "_ONEDNN_ISA_CAP", "ALL")
     monkeypatch.setenv("ATTNLAB_PACKED_LINEAR", "0")
     assert not accel.onednn_training_gemm_ok() and _path(x, lin.weight, lin.bias) == "AddmmBackward0"
+
+
+def test_small_training_products_stay_on_f_linear(monkeypatch):
+    """accel.linear sends a training product to oneDNN only from ONEDNN_TRAINING_MIN_MACS multiply-adds (rows × in
+    × out): below, oneDNN's fixed cost a call outweighs its faster GEMM. Both sides give F.linear's numbers."""
+    from attnlab import accel
+    monkeypatch.setattr(accel, "_training_gemm_ok", {})
+    monkeypatch.setattr(accel, "_decide_training_gemm", lambda: True)  # (any CPU: the size is what is checked)
+    w = torch.randn(64, 128, requires_grad=True)  # 8,192 multiply-adds a row
+    at = accel.ONEDNN_TRAINING_MIN_MACS // (64 * 128)  # rows at the threshold
+    assert at * 64 * 128 == accel.ONEDNN_TRAINING_MIN_MACS == 1 << 23
+    for rows, path in ((at - 1, "AddmmBackward0"), (at, "OneDNNLinearBackward"), (1, "AddmmBackward0")):
+        x = torch.randn(rows, 128, requires_grad=True)
+        b = torch.randn(64)
+        if path == "OneDNNLinearBackward" and not linear_mod.onednn_linear_ops():
+            continue
+        assert _path(x, w, b) == path, rows
+        y = linear_mod.linear(x, w, b)
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    x3 = torch.randn(4, at // 4, 128, requires_grad=True)  # rows counted over every leading axis
+    if linear_mod.onednn_linear_ops():
+        assert _path(x3, w) == "OneDNNLinearBackward"
 
 
 def test_the_gemm_decision_names_the_vendor_and_the_cap(monkeypatch):
@@ -337,6 +361,7 @@ def test_a_training_step_is_the_same_on_either_gemm(monkeypatch):
     from attnlab.train.tasks.base import output_loss
     onednn_op = torch.ops.mkldnn._linear_pointwise
     results = []
+    monkeypatch.setattr(accel, "ONEDNN_TRAINING_MIN_MACS", 0)  # (the tiny model's products, on oneDNN too)
     for on in (True, False):
         monkeypatch.setattr(accel, "_training_gemm_ok", {})
         monkeypatch.setattr(accel, "_decide_training_gemm", lambda on=on: on)

@@ -651,6 +651,14 @@ def test_own_kernels_build_with_the_ninja_package_whatever_comes_first_on_path(m
         t.join(10)
     assert os.environ["PATH"] == path
     assert accel.can_build_kernels() is (accel.cxx_compiler() is not None)  # the failing ninja was not the one asked
+    if accel.cxx_compiler() is not None:  # and the build itself runs with the package's ninja first
+        from torch.utils import cpp_extension
+        seen = []
+        monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append((shutil.which("ninja"), kw["name"])))
+        assert accel.build_torch_ops("attnlab_test_only", "gelu.cpp", [], "an_op_not_loaded") is None
+        assert len(seen) == 1 and seen[0][1] == "attnlab_test_only"
+        assert Path(seen[0][0]).resolve() == (Path(ninja.BIN_DIR) / "ninja").resolve()
+        assert os.environ["PATH"] == path
 
 
 def _dropout_path(monkeypatch, path):

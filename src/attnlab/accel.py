@@ -505,15 +505,26 @@ def eager_autograd() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, with oneDNN's GEMM for fp32 products that need gradients on CPUs where it is the
-    faster (:func:`onednn_training_gemm_ok`): eager autograd only, so outside autocast (which picks its
+    faster (:func:`onednn_training_gemm_ok`) and large enough to pay its fixed cost
+    (:data:`ONEDNN_TRAINING_MIN_MACS`): eager autograd only, so outside autocast (which picks its
     own kernels), ``torch.compile`` (inductor picks its own), ``torch.func`` transforms, forward-mode AD
     and ``torch.jit.trace`` (none of which a Python autograd.Function over oneDNN's op serves)."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and x.dim() >= 2 and x.shape[-1]
             and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            and x.numel() * weight.shape[0] >= ONEDNN_TRAINING_MIN_MACS
             and not torch.is_autocast_enabled("cpu") and eager_autograd() and onednn_training_gemm_ok()):
         return OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# Multiply-adds (rows × in × out) from which a training product goes to oneDNN. oneDNN's call costs a fixed
+# ~10-15 µs more than MKL's (one row: 16-23 against 2.5-6.6 µs), and its GEMM wins that back only on larger
+# products: level at nanoGPT's 768 × 128 × 128 (12.6M), 5-20% faster at its 38-50M ones (ad hoc, the
+# reference CPU). Whole updates, the two settings alternating in one process (docs/results.md, twenty-seventh
+# #13 session): a 1 × 16-token, d 32 model 6.20 → 4.97 ms; 128 rows at d 128 and at d 256 level; nanoGPT's
+# step, every product above the threshold, unchanged.
+ONEDNN_TRAINING_MIN_MACS = 1 << 23
 
 
 _IN_COMPILED_STEP = False  # True while compiled_step's step runs (dynamo guards on it)

@@ -83,7 +83,7 @@ def doctor_text(r: dict | None = None) -> str:
         f"  CPU inference linears, fp32   {'oneDNN pre-packed weights' if r['packed_linear_fp32'] else 'F.linear (plain)'}",
         f"  CPU inference linears, bf16   {'oneDNN pre-packed weights' if r['packed_linear_bf16'] else 'F.linear (plain)'}",
         f"  train --bf16 on CPU           {'bf16 autocast' if r['bf16_native_cpu'] else 'fp32 (bf16 not native)'}",
-        f"  train, fp32 products (CPU)    {'oneDNN GEMM (AMD, AVX-512)' if r['training_gemm_fp32'] == 'oneDNN' else 'MKL (F.linear)'}",
+        f"  train, fp32 products (CPU)    {'oneDNN GEMM (AMD, AVX-512; from 8M multiply-adds a product)' if r['training_gemm_fp32'] == 'oneDNN' else 'MKL (F.linear)'}",
         f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}",
         f"  --quantize, decoding (CPU)    {_quantised_path(r)}",
         f"  dropout, training (CPU)       {dropout_path}",
