@@ -299,14 +299,19 @@ def test_small_training_products_stay_on_f_linear(monkeypatch):
     w = torch.randn(64, 128, requires_grad=True)  # 8,192 multiply-adds a row
     at = accel.ONEDNN_TRAINING_MIN_MACS // (64 * 128)  # rows at the threshold
     assert at * 64 * 128 == accel.ONEDNN_TRAINING_MIN_MACS == 1 << 23
-    for rows, path in ((at - 1, "AddmmBackward0"), (at, "OneDNNLinearBackward"), (1, "AddmmBackward0")):
+    for rows, path in ((1, "AddmmBackward0"), (at - 1, "AddmmBackward0"), (at, "OneDNNLinearBackward"),
+                       (2 * at, "OneDNNLinearBackward")):
         x = torch.randn(rows, 128, requires_grad=True)
         b = torch.randn(64)
         if path == "OneDNNLinearBackward" and not linear_mod.onednn_linear_ops():
             continue
         assert _path(x, w, b) == path, rows
-        y = linear_mod.linear(x, w, b)
+        y, dy = linear_mod.linear(x, w, b), torch.randn(rows, 64)
+        got = torch.autograd.grad(y, (x, w), dy)
+        want = torch.autograd.grad(F.linear(x, w, b), (x, w), dy)
         torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, atol=1e-3, rtol=1e-4)
     x3 = torch.randn(4, at // 4, 128, requires_grad=True)  # rows counted over every leading axis
     if linear_mod.onednn_linear_ops():
         assert _path(x3, w) == "OneDNNLinearBackward"

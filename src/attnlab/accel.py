@@ -519,11 +519,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # Multiply-adds (rows × in × out) from which a training product goes to oneDNN. oneDNN's call costs a fixed
-# ~10-15 µs more than MKL's (one row: 16-23 against 2.5-6.6 µs), and its GEMM wins that back only on larger
+# ~10-17 µs more than MKL's (one row: 16-23 against 2.5-6.6 µs), and its GEMM wins that back only on larger
 # products: level at nanoGPT's 768 × 128 × 128 (12.6M), 5-20% faster at its 38-50M ones (ad hoc, the
 # reference CPU). Whole updates, the two settings alternating in one process (docs/results.md, twenty-seventh
 # #13 session): a 1 × 16-token, d 32 model 6.20 → 4.97 ms; 128 rows at d 128 and at d 256 level; nanoGPT's
-# step, every product above the threshold, unchanged.
+# step, every layer's product above the threshold, unchanged. (The fused loss keeps its own choice.)
 ONEDNN_TRAINING_MIN_MACS = 1 << 23
 
 
