@@ -593,6 +593,9 @@ def cxx_compiler() -> str | None:
     return None
 
 
+_PATH_LOCK = threading.RLock()  # (package_ninja_first: one PATH change at a time)
+
+
 @contextlib.contextmanager
 def package_ninja_first():
     """PATH with the ``ninja`` package's binary first (a dependency of attnlab), for the extension build it wraps;
@@ -618,8 +621,6 @@ def package_ninja_first():
             else:
                 os.environ["PATH"] = before
 
-
-_PATH_LOCK = threading.RLock()
 
 
 def can_build_kernels() -> bool:

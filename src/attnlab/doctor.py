@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from . import quant
+from . import accel, quant
 from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
                     glibc_version, heap_setting_refused, onednn_linear_ops, onednn_training_gemm_ok, packed_linear_ok)
 from .model.attention import fused_short_attention
@@ -83,7 +83,7 @@ def doctor_text(r: dict | None = None) -> str:
         f"  CPU inference linears, fp32   {'oneDNN pre-packed weights' if r['packed_linear_fp32'] else 'F.linear (plain)'}",
         f"  CPU inference linears, bf16   {'oneDNN pre-packed weights' if r['packed_linear_bf16'] else 'F.linear (plain)'}",
         f"  train --bf16 on CPU           {'bf16 autocast' if r['bf16_native_cpu'] else 'fp32 (bf16 not native)'}",
-        f"  train, fp32 products (CPU)    {'oneDNN GEMM (AMD, AVX-512; from 8M multiply-adds a product)' if r['training_gemm_fp32'] == 'oneDNN' else 'MKL (F.linear)'}",
+        f"  train, fp32 products (CPU)    {f'oneDNN GEMM (AMD, AVX-512; products from {accel.ONEDNN_TRAINING_MIN_MACS:,} multiply-adds)' if r['training_gemm_fp32'] == 'oneDNN' else 'MKL (F.linear)'}",
         f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}",
         f"  --quantize, decoding (CPU)    {_quantised_path(r)}",
         f"  dropout, training (CPU)       {dropout_path}",
