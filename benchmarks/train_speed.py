@@ -42,6 +42,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
     python benchmarks/train_speed.py --gelu [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]  # GELU kernel vs F.gelu
     python benchmarks/train_speed.py --attention-kernel [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]
+    python benchmarks/train_speed.py --ablate [--shapes small,large] [--steps 3] [--rounds 10]  # each part's cost in the update
     python benchmarks/train_speed.py --as-avx2 [--steps 5] [--rounds 3] [--nanogpt ~/nanoGPT]  # an AVX2-only CPU's stand-in
     PYTHONPATH=src python3 benchmarks/train_speed.py --device cuda --dtype bf16 --steps 20 --rounds 3 --profile  # a GPU
     python benchmarks/train_speed.py --attention-products [--shapes small,large] [--rounds 3]  # bf16 vs fp32 products in ShortAttention
@@ -550,6 +551,83 @@ def own_kernel_table(args, what: str, cache: dict, built, other: str) -> dict:
     return out
 
 
+# -- each part's cost inside the step: the part swapped for a one-pass stand-in, in turns ------------
+
+def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
+    """{row key: a context manager factory} that swaps one part of attnlab's update for a stand-in of the same
+    shapes that costs about one pass over its activation: attention → q + mean(k + v) over the keys (q, k and v
+    still get gradients, so the projections' products are the same); every norm → x · weight (+ bias);
+    the FFN's activation → x · 1; the fused projection + loss → PyTorch's F.linear and F.cross_entropy (not a
+    stand-in: the unfused path); gradient clipping (``clips``: where the update clips) and the optimizer step →
+    nothing. ``as_is_again_ms``, the update as it is once more, is the control: its difference from
+    ``as_is_ms`` is the run's noise."""
+    from attnlab.model import layers
+    from attnlab.train.tasks import base
+    norms = [m for m in model.modules() if isinstance(m, (nn.LayerNorm, layers.RMSNorm))]
+    ffns = [m for m in model.modules() if isinstance(m, layers.PositionwiseFeedForward)]
+
+    def attend(self, q, k, v, mask, is_causal, bias):
+        B, h, T, hd = q.shape
+        return (q + (k + v).mean(dim=2, keepdim=True)).transpose(1, 2).reshape(B, T, h * hd)  # (B, T, h·hd)
+
+    def norm(self, x):
+        return x * self.weight + (self.bias if getattr(self, "bias", None) is not None else 0)
+
+    class UnfusedLoss:
+        @staticmethod
+        def apply(h, weight, bias, labels, ignore, smoothing):
+            return nn.functional.cross_entropy(nn.functional.linear(h, weight, bias), labels, ignore_index=ignore,
+                                               label_smoothing=smoothing)
+
+    def patched(*patches):
+        stack = contextlib.ExitStack()
+        for p in patches:
+            stack.enter_context(p)
+        return stack
+
+    paths = {"as_is_ms": contextlib.nullcontext, "as_is_again_ms": contextlib.nullcontext,
+            "attention_stand_in_ms": lambda: mock.patch.object(attention.MultiHeadAttention, "_attend", attend),
+            "norm_stand_in_ms": lambda: patched(*(mock.patch.object(m, "forward", norm.__get__(m)) for m in norms)),
+            "activation_stand_in_ms": lambda: patched(*(mock.patch.object(m, "act", lambda x: x * 1.0) for m in ffns)),
+            "loss_unfused_ms": lambda: mock.patch.object(base, "LinearCrossEntropy", UnfusedLoss),
+            "no_clipping_ms": lambda: mock.patch.object(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: None),
+            "no_optimizer_step_ms": lambda: mock.patch.object(optimizer, "step", lambda *a, **k: None)}
+    if not clips:
+        del paths["no_clipping_ms"]
+    return paths
+
+
+def ablation_table(args) -> dict:
+    """What each part of attnlab's fp32 update costs where it runs, inside the update: the fp32 steps of
+    ``--shapes`` and, where ``--data`` has Tiny Shakespeare, the trainer's update of nanoGPT's model, timed as
+    they are and with one part swapped for a stand-in (:func:`_stand_ins`), in turns. ``<part>_costs_ms`` is
+    the update as it is minus with the stand-in: the part's cost above about one pass over its activation
+    (a profile's self times can say otherwise: the profiler slows the small operators, and an operator's time
+    in isolation leaves out the caches it finds cold or warm inside the update). ``noise_ms``: the control's
+    difference (the same update twice); a part's cost within a few times that is not told from nothing."""
+    steps = []
+    for name in [] if args.shapes == "none" else args.shapes.split(","):
+        s = SHAPES[name]
+        model = build_side(s, "attnlab")
+        opt = make_adamw(model.parameters(), lr=1e-4)
+        src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
+        steps.append((f"step {name} fp32", attnlab_step(model, opt, src, tgt_in, labels, False), model, opt, False,
+                      args.steps))
+    work = shakespeare_text(args)
+    if work is not None:
+        trainer = lm_trainer(str(work / "input.txt"), str(work / "ablation_lm"), 10 ** 6, False, args.threads, False)
+        steps.append(("nanogpt update fp32", lambda: trainer._update(1e-3), trainer.model, trainer.optimizer, True,
+                      max(3, args.steps * 10)))
+    out = {}
+    for name, step, model, opt, clips, n in steps:
+        row = in_turns(step, n, args.rounds, _stand_ins(model, opt, clips))
+        row["noise_ms"] = round(abs(row.pop("as_is_again_ms") - row["as_is_ms"]), 3)
+        for key in [k for k in row if k not in ("as_is_ms", "noise_ms")]:
+            row[key.replace("_ms", "_costs_ms")] = round(row["as_is_ms"] - row[key], 3)
+        out[name] = row
+    return out
+
+
 def gelu_table(args) -> dict:
     """``own_kernel_table`` for attnlab's GELU kernel (``csrc/gelu.cpp``, ``layers.gelu``) against ``F.gelu``."""
     from attnlab.model import layers
@@ -857,6 +935,10 @@ def main():
     ap.add_argument("--attention-products", action="store_true",
                     help="time attnlab's bf16 steps of --shapes with ShortAttention's bf16 products against fp32 "
                          "ones, in turns, and their error against float64 (CPUs with native bf16)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="time attnlab's fp32 steps of --shapes and nanoGPT's update with each part (attention, norms, "
+                         "activation, loss, clipping, optimizer step) swapped for a one-pass stand-in, in turns: "
+                         "what each part costs inside the update")
     ap.add_argument("--compile", action="store_true",
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
@@ -891,10 +973,10 @@ def main():
         raise SystemExit(f"--device {args.device}: cpu, cuda or mps (a device the step can be trained and timed on)")
     args.device = str(device)
     if device.type != "cpu" and (args.nanogpt or args.corpus or args.attention or args.dropout or args.gemm or args.gelu
-                                 or args.attention_kernel or args.attention_products):
+                                 or args.attention_kernel or args.attention_products or args.ablate):
         raise SystemExit(f"--device {args.device}: only the step tables (--shapes) run there; --nanogpt, --corpus, "
-                         "--attention, --dropout, --gemm, --gelu, --attention-kernel and --attention-products are "
-                         "CPU tables")
+                         "--attention, --dropout, --gemm, --gelu, --attention-kernel, --attention-products and "
+                         "--ablate are CPU tables")
     if args.peak_size is None:
         args.peak_size = 2048 if device.type == "cpu" else 8192
     if args.threads:
@@ -909,7 +991,7 @@ def main():
     if True in dtypes and not accel.bf16_native(device):
         raise SystemExit(f"--dtype bf16: {args.device} has no native bf16 here (emulated bf16 is not a row)")
     shapes = ([] if args.shapes == "none" or args.dropout or args.gemm or args.gelu or args.attention_kernel
-              or args.attention_products else args.shapes.split(","))  # (those have their own steps)
+              or args.attention_products or args.ablate else args.shapes.split(","))  # (those have their own steps)
     for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size, args.device)
         results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
@@ -922,7 +1004,8 @@ def main():
         results[key] = run_corpus(SHAPES[args.corpus_shape], args, bf16)
         print(key, json.dumps(results[key]), flush=True)
     tables = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
-              "gemm": gemm_table, "attention_products": attention_products_table, "attention": attention_table}
+              "gemm": gemm_table, "attention_products": attention_products_table, "attention": attention_table,
+              "ablate": ablation_table}
     for name, table in tables.items():  # (each behind its --flag, in this order)
         if getattr(args, name):
             results[name] = table(args)

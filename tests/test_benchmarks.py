@@ -213,6 +213,76 @@ def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
         assert row[f"{other}_over_kernel"] == round(row[f"{other}_ms"] / row["kernel_ms"], 3)
 
 
+def test_train_speed_ablation_table_runs(tmp_path):
+    """train_speed.py --ablate: attnlab's (tiny) fp32 step and the trainer's update of nanoGPT's model (a small text
+    given as --data) timed as they are and with each part swapped for its stand-in, in turns; each part's cost is
+    the difference. The stand-ins must leave the update running (a stand-in of the wrong shape fails it)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--ablate", "--shapes", "tiny",
+                          "--steps", "1", "--rounds", "1", "--threads", "1", "--data", str(tmp_path / "data"),
+                          "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = json.loads(res.stdout.strip().splitlines()[-1])["ablate"]
+    assert set(table) == {"step tiny fp32", "nanogpt update fp32"}
+    parts = ["attention_stand_in", "norm_stand_in", "activation_stand_in", "loss_unfused", "no_optimizer_step"]
+    for name, row in table.items():
+        assert row["as_is_ms"] > 0 and row["noise_ms"] >= 0
+        # the Marian step does not clip its gradients, the trainer's update does
+        for part in parts + (["no_clipping"] if name.startswith("nanogpt") else []):
+            assert row[f"{part}_ms"] > 0 and row[f"{part}_costs_ms"] == round(row["as_is_ms"] - row[f"{part}_ms"], 3)
+        assert ("no_clipping_ms" in row) == name.startswith("nanogpt")
+
+
+def test_ablation_stand_ins_swap_each_part_and_put_it_back():
+    """Each of train_speed._stand_ins's paths changes what it names and nothing else, and leaves the model as it
+    was: the loss and gradients of a tiny LM differ under each stand-in (clipping, the optimizer step: the step's
+    result), and are bit-equal to the model's own after it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_speed
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from attnlab.config import TransformerConfig
+    from attnlab.model import build_model
+    from attnlab.train.tasks.base import output_loss
+    from attnlab.train.trainer import make_adamw
+    torch = pytest.importorskip("torch")
+    cfg = TransformerConfig(family="decoder-only", vocab_size=50, d_model=32, n_heads=4, n_decoder_layers=2, d_ff=64,
+                            max_len=16, activation="gelu", norm_placement="pre", positions="learned", dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = make_adamw(model.parameters(), lr=1e-2)
+    ids = torch.randint(4, 50, (3, 16))
+
+    def update():
+        model.load_state_dict(start)
+        opt.state.clear()
+        opt.zero_grad(set_to_none=True)
+        loss = output_loss(model, model(ids[:, :-1], hidden_only=True), ids[:, 1:], None, 0.1)[0]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        return loss.detach(), grads, [p.detach().clone() for p in model.parameters()]
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1] + a[2], b[1] + b[2]))
+
+    own = update()
+    paths = train_speed._stand_ins(model, opt, clips=True)
+    assert list(paths)[:2] == ["as_is_ms", "as_is_again_ms"] and len(paths) == 8
+    assert "no_clipping_ms" not in train_speed._stand_ins(model, opt, clips=False)
+    for key, select in paths.items():
+        with select():
+            got = update()
+        assert same(got, own) == key.startswith("as_is"), key
+        if key == "loss_unfused_ms":  # PyTorch's unfused path: the same loss and gradients to rounding
+            assert torch.allclose(got[0], own[0], atol=1e-5)
+        assert same(update(), own), f"{key} left the model changed"
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
 def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
     """train_speed.py --nanogpt [--compile]: the sides' per-iteration times parsed and compared. A stand-in
