@@ -77,7 +77,8 @@ inline float lanes_sum(vec x) { return across_lanes(x, [](vec a, vec b) { return
 // Which part of a product causal attention needs: with rows [i0, i0 + MR) of C,
 // KEYS_IN_K: rows are queries, the sum runs over keys: k < i0 + MR + off (the block's last visible key + 1);
 // QUERIES_IN_K: rows are keys, the sum runs over queries: k >= i0 − off (the first query that sees key i0);
-// KEYS_IN_N: rows are queries, columns keys: columns < i0 + MR + off (rounded up to whole vectors).
+// KEYS_IN_N: rows are queries, columns keys: columns < i0 + MR + off (rounded up to whole vectors; run's own loop,
+// seen_columns: the columns no query of the block sees are not computed, and not read).
 enum Skip { NONE, KEYS_IN_K, QUERIES_IN_K, KEYS_IN_N };
 
 struct Product {
@@ -113,7 +114,6 @@ inline void block_skipping(const Product& p, int64_t i0, int64_t n0) {
   int64_t kb = 0, ke = p.K;
   if (p.skip == KEYS_IN_K) ke = std::min(p.K, std::max<int64_t>(0, i0 + MR + p.off));
   if (p.skip == QUERIES_IN_K) kb = std::min(p.K, std::max<int64_t>(0, i0 - p.off));
-  if (p.skip == KEYS_IN_N && n0 >= i0 + MR + p.off) return;  // (columns no query of the block sees: not read)
   block<MR, NB>(p, i0, n0, kb, ke);
 }
 
@@ -125,7 +125,25 @@ void columns(const Product& p, int64_t n0) {
   for (; i < p.M; ++i) block_skipping<1, NB>(p, i, n0);
 }
 
+// KEYS_IN_N: each block of MR rows computes the whole vectors of columns its queries see, no further (the scores
+// and their gradients of a causal head: about half of them)
+template <int MR>
+void seen_columns(const Product& p, int64_t i0) {
+  int64_t n0 = 0, nv = std::min(p.N, padded(std::max<int64_t>(0, i0 + MR + p.off))) / VL;
+  for (; nv >= 4; nv -= 4, n0 += 4 * VL) block<MR, 4>(p, i0, n0, 0, p.K);
+  if (nv == 3) block<MR, 3>(p, i0, n0, 0, p.K);
+  if (nv == 2) block<MR, 2>(p, i0, n0, 0, p.K);
+  if (nv == 1) block<MR, 1>(p, i0, n0, 0, p.K);
+}
+
 void run(const Product& p) {
+  if (p.skip == KEYS_IN_N) {
+    constexpr int MR = ACC / 4 > 1 ? ACC / 4 : 1;  // (the accumulators of 4 vectors of columns)
+    int64_t i = 0;
+    for (; i + MR <= p.M; i += MR) seen_columns<MR>(p, i);
+    for (; i < p.M; ++i) seen_columns<1>(p, i);
+    return;
+  }
   int64_t n0 = 0, nv = p.N / VL;
   for (; nv >= 4; nv -= 4, n0 += 4 * VL) columns<4>(p, n0);
   if (nv == 3) columns<3>(p, n0);
@@ -148,17 +166,12 @@ const float* rows_of(const float* src, int64_t s, int64_t rows, int64_t cols, in
   return buf;
 }
 
-// dst (cols × P) = the transpose of a (rows × cols) slice with row stride s, zeros after rows
+// dst (cols × P) = the transpose of a (rows × cols) slice with row stride s, zeros after rows. (A plain loop over
+// the rows as they lie: building each column's vector lane by lane from VL rows was as fast on 64 keys of 32
+// dimensions and slower on 32 keys of 64, the forward by 1.1-1.25x.)
 void transposed(const float* src, int64_t s, int64_t rows, int64_t cols, int64_t P, float* dst) {
   for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * P + rows, dst + (c + 1) * P, 0.f);
-  int64_t r = 0;
-  for (; r + VL <= rows; r += VL)  // VL rows at a time: each column's VL values stored as one vector
-    for (int64_t c = 0; c < cols; ++c) {
-      vec x;
-      for (int l = 0; l < VL; ++l) x[l] = src[(r + l) * s + c];
-      store(dst + c * P + r, x);
-    }
-  for (; r < rows; ++r)
+  for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) dst[c * P + r] = src[r * s + c];
 }
 
@@ -171,36 +184,52 @@ inline ivec seen_lanes(int64_t j, int64_t seen) {  // all ones in lane l where j
   return lane + static_cast<int32_t>(j) < static_cast<int32_t>(seen);
 }
 
-// The softmax of a row of scores, in place: s[0, Tk) holds S over [0, seen) (garbage after), and gets
-// softmax(S·scale + bias) there and zeros after (up to Tk, and whole vectors); bias: the row's bias with stride
-// bs, or null. In vectors: the maximum and the sum are reductions, which the compiler leaves scalar (it keeps
-// the order of additions), and with them the exp, the costliest part of the forward for the shapes this kernel
-// serves. (Lanes past seen are masked in registers: a scalar store read back by a vector load stalls.)
-void softmax_row(float* s, int64_t seen, int64_t Tk, float scale, const float* bias, int64_t bs) {
-  const int64_t n = padded(seen);
-  vec mv = vec{} - INFINITY;
-  for (int64_t j = 0; j < n; j += VL) {
-    vec x = load(s + j) * scale;
-    if (bias) {
-      vec bv = vec{};
-      for (int l = 0; l < VL && j + l < seen; ++l) bv[l] = bias[(j + l) * bs];
-      x += bv;
-    }
-    x = seen_lanes(j, seen) ? x : vec{} - INFINITY;  // (exp(−inf) = 0)
-    store(s + j, x);
-    mv = nan_max(x, mv);  // the row's maximum, or NaN if a score is NaN (then every probability is NaN, as in
-  }                       // torch's softmax)
-  const float m = across_lanes(mv, nan_max);
-  const ivec sign = ivec{} + static_cast<int32_t>(0x80000000u);
-  vec sum = vec{};
-  for (int64_t j = 0; j < n; j += VL) {
-    const vec e = attnlab_vec::exp_nonpositive<vec, ivec>((vec)((ivec)(load(s + j) - m) | sign));  // exp(−|s − m|)
-    store(s + j, e);  // (−0.0 at the maximum: exp = 1)
-    sum += e;
+// The softmax of a head's rows of scores, in place: row i of s (stride ss) holds S over [0, seen(i)) (garbage
+// after), and gets softmax(S·scale + bias) there and zeros after (up to Tk, and whole vectors); bias: the head's
+// bias (rows at stride brs, columns at stride bcs), or null; m: Tq floats of scratch. In vectors, in three
+// passes over the rows (scale, mask and maximum; exp and sum; the division), each pass a loop whose rows are
+// independent: a row's maximum and sum are reductions across the lanes of a vector, chains of shuffles that
+// the CPU can run beside the next rows' work (one row through all three passes at a time: forwards 1.0-1.1x
+// slower on the shapes of benchmarks/train_speed.py --attention). The exp is the costliest part of the softmax.
+// (Lanes past seen are masked in registers: a scalar store read back by a vector load stalls.)
+template <class Seen>
+void softmax_rows(float* s, int64_t ss, int64_t Tq, Seen seen_of, int64_t Tk, float scale, const float* bias,
+                  int64_t brs, int64_t bcs, float* m) {
+  for (int64_t i = 0; i < Tq; ++i) {
+    float* r = s + i * ss;
+    const int64_t seen = seen_of(i), n = padded(seen);
+    vec mv = vec{} - INFINITY;
+    for (int64_t j = 0; j < n; j += VL) {
+      vec x = load(r + j) * scale;
+      if (bias) {
+        vec bv = vec{};
+        for (int l = 0; l < VL && j + l < seen; ++l) bv[l] = bias[i * brs + (j + l) * bcs];
+        x += bv;
+      }
+      x = seen_lanes(j, seen) ? x : vec{} - INFINITY;  // (exp(−inf) = 0)
+      store(r + j, x);
+      mv = nan_max(x, mv);  // the row's maximum, or NaN if a score is NaN (then every probability is NaN, as in
+    }                       // torch's softmax)
+    m[i] = across_lanes(mv, nan_max);
   }
-  const float inv = seen ? 1.0f / lanes_sum(sum) : 0.f;  // (a query that sees no key: probabilities and output 0)
-  for (int64_t j = 0; j < n; j += VL) store(s + j, seen_lanes(j, seen) ? load(s + j) * inv : vec{});
-  if (n < Tk) std::fill(s + n, s + Tk, 0.f);  // (read by the blocks of rows that see further, and by the backward)
+  const ivec sign = ivec{} + static_cast<int32_t>(0x80000000u);
+  for (int64_t i = 0; i < Tq; ++i) {
+    float* r = s + i * ss;
+    const int64_t seen = seen_of(i), n = padded(seen);
+    vec sum = vec{};
+    for (int64_t j = 0; j < n; j += VL) {
+      const vec e = attnlab_vec::exp_nonpositive<vec, ivec>((vec)((ivec)(load(r + j) - m[i]) | sign));  // exp(−|s − m|)
+      store(r + j, e);  // (−0.0 at the maximum: exp = 1)
+      sum += e;
+    }
+    m[i] = seen ? 1.0f / lanes_sum(sum) : 0.f;  // (a query that sees no key: probabilities and output 0)
+  }
+  for (int64_t i = 0; i < Tq; ++i) {
+    float* r = s + i * ss;
+    const int64_t seen = seen_of(i), n = padded(seen);
+    for (int64_t j = 0; j < n; j += VL) store(r + j, seen_lanes(j, seen) ? load(r + j) * m[i] : vec{});
+    if (n < Tk) std::fill(r + n, r + Tk, 0.f);  // (read by the blocks of rows that see further, and by the backward)
+  }
 }
 
 // Whether (B, h, Tq, Tk) probabilities lie in rows of PS floats, PS a multiple of VL and at least TP, one after
@@ -260,7 +289,7 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q_, const a
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float *op = out.data_ptr<float>(), *pp = probs.data_ptr<float>();
   at::parallel_for(0, B * kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(hd * TP), vbuf(hd == HP ? 0 : Tk * HP), O(hd == HP ? 0 : Tq * HP);
+    std::vector<float> kt(hd * TP), vbuf(hd == HP ? 0 : Tk * HP), O(hd == HP ? 0 : Tq * HP), m(Tq);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv, c = task % kv;
       transposed(kp + b * k.stride(0) + c * k.stride(1), k.stride(2), Tk, hd, TP, kt.data());  // Kᵀ (hd, TP)
@@ -271,11 +300,9 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q_, const a
         const float* qh = qp + b * q.stride(0) + head * q.stride(1);
         float* ph = pp + (b * h + head) * Tq * PS;  // (Tq, PS)
         run({Tq, TP, hd, qh, q.stride(2), 1, kt.data(), TP, ph, PS, false, causal ? KEYS_IN_N : NONE, off});  // S
-        for (int64_t i = 0; i < Tq; ++i) {
-          const int64_t seen = causal ? std::min(Tk, std::max<int64_t>(0, i + off + 1)) : Tk;
-          const float* brow = bp ? bp + b * bias.stride(0) + head * bias.stride(1) + i * bias.stride(2) : nullptr;
-          softmax_row(ph + i * PS, seen, Tk, scale, brow, bias.defined() ? bias.stride(3) : 0);
-        }
+        const float* bh = bp ? bp + b * bias.stride(0) + head * bias.stride(1) : nullptr;
+        softmax_rows(ph, PS, Tq, [&](int64_t i) { return causal ? std::min(Tk, std::max<int64_t>(0, i + off + 1)) : Tk; },
+                     Tk, scale, bh, bp ? bias.stride(2) : 0, bp ? bias.stride(3) : 0, m.data());
         float* oh = op + (b * Tq * h + head) * hd;  // row i at oh + i·h·hd
         float* dst = hd == HP ? oh : O.data();
         const int64_t sd = hd == HP ? h * hd : HP;
@@ -317,12 +344,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
   const bool pad = hd != HP;
   at::parallel_for(0, B * kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> vt(hd * TP), kbuf(pad ? Tk * HP : 0), qbuf(pad ? Tq * HP : 0), gbuf(pad ? Tq * HP : 0),
-        D(Tq * TP), dQ(pad ? Tq * HP : 0), dK(Tk * HP), dV(Tk * HP);
+        D(Tq * TP), dQ(pad ? Tq * HP : 0), dK(pad ? Tk * HP : 0), dV(pad ? Tk * HP : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv, c = task % kv;
       int64_t sk, sq, sg;
       const float* kr = rows_of(kp + b * k.stride(0) + c * k.stride(1), k.stride(2), Tk, hd, HP, kbuf.data(), &sk);
       transposed(vp + b * v.stride(0) + c * v.stride(1), v.stride(2), Tk, hd, TP, vt.data());  // Vᵀ (hd, TP)
+      float* dkh = dkp + (b * Tk * kv + c) * hd;  // (row j at dkh + j·kv·hd)
+      float* dvh = dvp + (b * Tk * kv + c) * hd;
       for (int64_t r = 0; r < g; ++r) {
         const int64_t head = c * g + r;
         const float* gh = gp + b * go.stride(0) + head * go.stride(1);
@@ -335,16 +364,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
           softmax_backward_row(D.data() + i * TP, ph + i * PS, seen, TP, scale);
         }
         const Skip queries = causal ? QUERIES_IN_K : NONE, keys = causal ? KEYS_IN_K : NONE;
-        run({Tk, HP, Tq, ph, 1, PS, gr, sg, dV.data(), HP, r > 0, queries, off});        // dV (+)= Pᵀ·dO
-        run({Tk, HP, Tq, D.data(), 1, TP, qr, sq, dK.data(), HP, r > 0, queries, off});  // dK (+)= dSᵀ·Q·scale
+        // (straight into dk and dv's (B, Tk, kv, hd) memory, where the head size is whole vectors)
+        run({Tk, HP, Tq, ph, 1, PS, gr, sg, pad ? dV.data() : dvh, pad ? HP : kv * hd, r > 0, queries, off});  // dV (+)= Pᵀ·dO
+        run({Tk, HP, Tq, D.data(), 1, TP, qr, sq, pad ? dK.data() : dkh, pad ? HP : kv * hd, r > 0, queries, off});  // dK (+)= dSᵀ·Q·scale
         float* dqh = dqp + (b * Tq * h + head) * hd;  // row i at dqh + i·h·hd
         run({Tq, HP, Tk, D.data(), TP, 1, kr, sk, pad ? dQ.data() : dqh, pad ? HP : h * hd, false, keys, off});  // dQ
         if (pad)
           for (int64_t i = 0; i < Tq; ++i) std::memcpy(dqh + i * h * hd, dQ.data() + i * HP, hd * sizeof(float));
       }
-      for (int64_t j = 0; j < Tk; ++j) {
-        std::memcpy(dkp + ((b * Tk + j) * kv + c) * hd, dK.data() + j * HP, hd * sizeof(float));
-        std::memcpy(dvp + ((b * Tk + j) * kv + c) * hd, dV.data() + j * HP, hd * sizeof(float));
+      for (int64_t j = 0; pad && j < Tk; ++j) {
+        std::memcpy(dkh + j * kv * hd, dK.data() + j * HP, hd * sizeof(float));
+        std::memcpy(dvh + j * kv * hd, dV.data() + j * HP, hd * sizeof(float));
       }
     }
   });
