@@ -49,6 +49,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
     python benchmarks/train_speed.py --shapes none --corpus [PAIRS.tsv] [--pairs 1024] [--rounds 3]
     python benchmarks/train_speed.py --shapes none --attention [--rounds 5]   # the fused kernel vs ShortAttention
+    python benchmarks/train_speed.py --shapes none --attention-keys 128,256,512 [--rounds 6]  # the same, whole updates
     python benchmarks/train_speed.py --dropout [--shapes small,large] [--rounds 5]  # attnlab's dropout kernel vs its torch path
 """
 
@@ -454,6 +455,31 @@ def attnlab_shape_steps(args, bf16: bool):
         yield name, attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, bf16)
 
 
+def fused_attention_only():
+    """PyTorch's fused kernel for every training attention (ShortAttention switched off, its kernel's limit too)."""
+    return mock.patch.multiple(attention, SHORT_KEYS=0, SHORT_KEYS_KERNEL=0)
+
+
+def attention_keys_table(args) -> dict:
+    """The trainer's update of nanoGPT's model (Tiny Shakespeare from ``--data``) with blocks of each of
+    ``--attention-keys`` tokens, ShortAttention (attnlab's kernel in fp32) against PyTorch's fused kernel, in turns,
+    fp32 and (native-bf16 CPUs) bf16: what ``attention.SHORT_KEYS_KERNEL`` and ``SHORT_KEYS`` are set by."""
+    work = shakespeare_text(args)
+    if work is None:
+        return {"skipped": f"no Tiny Shakespeare in --data {args.data}"}
+    paths = {"fused_ms": fused_attention_only,
+             "short_ms": lambda: mock.patch.multiple(attention, SHORT_KEYS=1 << 20, SHORT_KEYS_KERNEL=1 << 20)}
+    out = {}
+    for block in (int(b) for b in args.attention_keys.split(",")):
+        for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
+            trainer = lm_trainer(str(work / "input.txt"), str(work / f"keys_lm_{block}"), 10 ** 6, bf16, args.threads,
+                                 False, block_size=block)
+            r = in_turns(lambda: trainer._update(1e-3), max(2, args.steps * 640 // block), args.rounds, paths)
+            out[f"nanogpt update, {block} keys, {'bf16' if bf16 else 'fp32'}"] = {
+                **r, "fused_over_short": round(r["fused_ms"] / r["short_ms"], 3)}
+    return out
+
+
 def attention_table(args) -> dict:
     """Self-attention forward + backward as the model runs it (:func:`self_attention`), PyTorch's fused
     kernel against ShortAttention, in turns."""
@@ -463,7 +489,7 @@ def attention_table(args) -> dict:
             continue
         run, per_step = self_attention(B, h, T, hd, causal)
         n = max(3, int(args.steps * per_step))
-        row = in_turns(run, n, args.rounds, {"fused_ms": lambda: mock.patch.object(attention, "SHORT_KEYS", 0),
+        row = in_turns(run, n, args.rounds, {"fused_ms": fused_attention_only,
                                              "short_ms": lambda T=T: mock.patch.object(attention, "SHORT_KEYS", T)})
         row["fused_over_short"] = round(row["fused_ms"] / row["short_ms"], 2)
         out[f"{name} B{B} h{h} T{T} hd{hd}{' causal' if causal else ''}"] = row
@@ -783,12 +809,12 @@ WARMUP_ITERS = 10
 
 # attnlab's side: the trainer of `attnlab train --task lm --preset shakespeare-char` (the arguments of
 # benchmarks/shakespeare_nanogpt.py), every update timed like nanoGPT's loop times its iterations.
-def lm_trainer(text: str, out: str, iters: int, bf16: bool, threads: int | None, compile: bool):
-    """attnlab's trainer set up as ``attnlab train --task lm --preset shakespeare-char`` (nanoGPT's CPU recipe),
-    its model in training mode: ``trainer._update(lr)`` is one timed update."""
+def lm_trainer(text: str, out: str, iters: int, bf16: bool, threads: int | None, compile: bool, block_size: int = 64):
+    """attnlab's trainer set up as ``attnlab train --task lm --preset shakespeare-char`` (nanoGPT's CPU recipe; other
+    ``block_size``s for --attention-keys), its model in training mode: ``trainer._update(lr)`` is one timed update."""
     from attnlab.train.options import TrainArgs
     from attnlab.train.trainer import Trainer
-    args = TrainArgs(task="lm", train=text, out=out, preset="shakespeare-char", tokenizer="char", block_size=64,
+    args = TrainArgs(task="lm", train=text, out=out, preset="shakespeare-char", tokenizer="char", block_size=block_size,
                      batch_size=12, max_steps=iters, lr=1e-3, min_lr=1e-4, schedule="cosine", warmup=100,
                      betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, clip_norm=1.0, eval_every=0, save_every=0,
                      progress=False, bf16=bf16, threads=threads or None, compile=compile)
@@ -922,6 +948,9 @@ def main():
     ap.add_argument("--attention", action="store_true",
                     help="also time one attention's forward + backward, PyTorch's fused kernel against ShortAttention")
     ap.add_argument("--attention-shapes", default=None, help="--attention: comma-separated names (default: all)")
+    ap.add_argument("--attention-keys", default=None,
+                    help="comma-separated block sizes (e.g. 128,256,512): the trainer's update of nanoGPT's model "
+                         "with each, ShortAttention against PyTorch's fused kernel, in turns (--data: Tiny Shakespeare)")
     ap.add_argument("--dropout", action="store_true",
                     help="time attnlab's dropout kernel against its torch path (activations, and steps of --shapes)")
     ap.add_argument("--gelu", action="store_true",
@@ -973,10 +1002,11 @@ def main():
         raise SystemExit(f"--device {args.device}: cpu, cuda or mps (a device the step can be trained and timed on)")
     args.device = str(device)
     if device.type != "cpu" and (args.nanogpt or args.corpus or args.attention or args.dropout or args.gemm or args.gelu
-                                 or args.attention_kernel or args.attention_products or args.ablate):
+                                 or args.attention_kernel or args.attention_products or args.ablate
+                                 or args.attention_keys):
         raise SystemExit(f"--device {args.device}: only the step tables (--shapes) run there; --nanogpt, --corpus, "
-                         "--attention, --dropout, --gemm, --gelu, --attention-kernel, --attention-products and "
-                         "--ablate are CPU tables")
+                         "--attention, --attention-keys, --dropout, --gemm, --gelu, --attention-kernel, "
+                         "--attention-products and --ablate are CPU tables")
     if args.peak_size is None:
         args.peak_size = 2048 if device.type == "cpu" else 8192
     if args.threads:
@@ -1005,7 +1035,7 @@ def main():
         print(key, json.dumps(results[key]), flush=True)
     tables = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
               "gemm": gemm_table, "attention_products": attention_products_table, "attention": attention_table,
-              "ablate": ablation_table}
+              "ablate": ablation_table, "attention_keys": attention_keys_table}
     for name, table in tables.items():  # (each behind its --flag, in this order)
         if getattr(args, name):
             results[name] = table(args)

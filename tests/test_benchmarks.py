@@ -283,6 +283,23 @@ def test_ablation_stand_ins_swap_each_part_and_put_it_back():
         assert same(update(), own), f"{key} left the model changed"
 
 
+def test_train_speed_attention_keys_table_runs(tmp_path):
+    """train_speed.py --attention-keys: the trainer's update of nanoGPT's model with each block size, ShortAttention
+    against PyTorch's fused kernel in turns, and their ratio."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none",
+                          "--attention-keys", "16,80", "--steps", "1", "--rounds", "1", "--threads", "1",
+                          "--data", str(tmp_path / "data"), "--workdir", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = json.loads(res.stdout.strip().splitlines()[-1])["attention_keys"]
+    assert {"nanogpt update, 16 keys, fp32", "nanogpt update, 80 keys, fp32"} <= set(table)
+    for row in table.values():
+        assert row["fused_ms"] > 0 and row["short_ms"] > 0
+        assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 3)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
 def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
     """train_speed.py --nanogpt [--compile]: the sides' per-iteration times parsed and compared. A stand-in

@@ -494,15 +494,55 @@ def test_gradients_through_a_kv_cache(monkeypatch, path):
 
 def test_attention_keeps_the_fused_kernel_outside_short_key_training():
     """Longer keys, attention dropout, inference and requested weights keep the other paths."""
-    from attnlab.model.attention import SHORT_KEYS
+    from attnlab.model.attention import SHORT_KEYS_KERNEL
     q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
-    long_k = torch.randn(1, 2, SHORT_KEYS + 1, 8, requires_grad=True)
+    long_k = torch.randn(1, 2, SHORT_KEYS_KERNEL + 1, 8, requires_grad=True)
     for out in (scaled_dot_product_attention(q, long_k, long_k)[0],
                 scaled_dot_product_attention(q, k, v, dropout_p=0.1)[0],
                 scaled_dot_product_attention(q, k, v, need_weights=True)[0]):
         assert "ShortAttentionBackward" not in _graph_nodes(out)
     with torch.no_grad():
         assert scaled_dot_product_attention(q, k, v)[0].grad_fn is None
+
+
+def test_attention_kernel_takes_longer_keys_where_it_serves(monkeypatch):
+    """Between SHORT_KEYS and SHORT_KEYS_KERNEL keys, training attention in fp32 runs on attnlab's kernel (which
+    beat PyTorch's fused kernel there, in whole updates) and equals a float64 oracle, causal and with padding; the
+    torch path of ShortAttention does not (bf16 inputs, a bias that needs a gradient, the kernel switched off) and
+    the fused kernel serves those, as past SHORT_KEYS_KERNEL."""
+    from attnlab.model import attention
+    from attnlab.model.attention import SHORT_KEYS, SHORT_KEYS_KERNEL, padding_mask
+    _own_kernels_on(monkeypatch)
+    _attention_path(monkeypatch, "kernel")
+    assert SHORT_KEYS < 100 <= SHORT_KEYS_KERNEL
+    torch.manual_seed(0)
+    B, h, T, hd = 2, 4, 100, 16
+    x = torch.randn(B, T, 3, h, hd)
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 90:] = False
+    for is_causal, mask in ((True, None), (False, padding_mask(keep))):
+        q, k, v = (x[:, :, i].transpose(1, 2).requires_grad_() for i in range(3))
+        out, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+        assert _short_attention_kernel_used(out) == {True}
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), g)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        s = q64 @ k64.transpose(-1, -2) / hd ** 0.5
+        s = s.masked_fill(~(causal_mask(T, T, "cpu") if is_causal else mask), float("-inf"))
+        want_out = s.softmax(-1) @ v64
+        want = torch.autograd.grad(want_out, (q64, k64, v64), g.double())
+        torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+        for a, w in zip(got, want):
+            torch.testing.assert_close(a.double(), w, atol=1e-5, rtol=1e-5)
+    q, k, v = (x[:, :, i].transpose(1, 2).requires_grad_() for i in range(3))
+    bias = torch.zeros(1, h, T, T, requires_grad=True)
+    for out in (scaled_dot_product_attention(*(t.bfloat16() for t in (q, k, v)), is_causal=True)[0],
+                scaled_dot_product_attention(q, k, v, bias=bias)[0]):
+        assert "ShortAttentionBackward" not in _graph_nodes(out)
+    monkeypatch.setattr(attention, "_SHORT", {"ok": False})  # (no kernel here: the torch path would serve)
+    assert "ShortAttentionBackward" not in _graph_nodes(scaled_dot_product_attention(q, k, v, is_causal=True)[0])
+    k_short = torch.randn(B, h, SHORT_KEYS, hd, requires_grad=True)
+    assert "ShortAttentionBackward" in _graph_nodes(scaled_dot_product_attention(q, k_short, k_short)[0])
 
 
 def test_bf16_training_attention_on_cpu(monkeypatch):

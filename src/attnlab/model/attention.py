@@ -81,8 +81,10 @@ def scaled_dot_product_attention(
     training_on_cpu = (q.device.type == "cpu" and torch.is_grad_enabled() and not need_weights
                        and (q.requires_grad or k.requires_grad or v.requires_grad))
     # Training on CPU with short keys: two batched matmuls and a softmax, forward and backward, beat
-    # PyTorch's fused kernel (see ShortAttention).
-    short = training_on_cpu and k.shape[2] <= SHORT_KEYS and not dropout_p
+    # PyTorch's fused kernel (see ShortAttention); so does attnlab's fp32 kernel up to longer keys.
+    short = training_on_cpu and not dropout_p and (
+        k.shape[2] <= SHORT_KEYS or (k.shape[2] <= SHORT_KEYS_KERNEL and not (bias is not None and bias.requires_grad)
+                                     and ShortAttention.kernel_serves(q, k, v)))
     if q.dtype == torch.bfloat16 and q.requires_grad and training_on_cpu and k.shape[2] <= 512 and not short:
         # Training in bf16 on CPU with more keys than ShortAttention takes: PyTorch's fused kernel
         # computes its backward ~4x slower in bf16 than in fp32 for short sequences (measured at
@@ -132,6 +134,18 @@ def scaled_dot_product_attention(
 # is larger: inductor fuses ShortAttention's softmax with the ops around it, where the fused kernel stays one
 # opaque call.
 SHORT_KEYS = 64
+# Keys up to which ShortAttention serves where attnlab's fp32 kernel computes it (fp32 q, k and v, no gradient for a
+# bias, the kernel built here). Measured by `python benchmarks/train_speed.py --shapes none --attention-keys
+# 128,256,512` (2 threads, AVX-512; docs/results.md, twenty-eighth #13 session): the whole training update of
+# nanoGPT's Shakespeare model (4 layers, 4 heads of 32, batch 12) with blocks of 128, 256 and 512 tokens ran 1.15x,
+# 1.23x and 1.35x faster than on PyTorch's fused kernel (1.10x, 1.19x and 1.29x in an earlier run), one of d 256
+# (4 heads of 64) 1.07x and 1.11x at 128 and 256 (ad hoc). Not further: the kernel keeps the (B, h, Tq, Tk)
+# probabilities for the backward where the fused kernel keeps one number a row: h·T floats a token against ~16·d
+# for the rest of a pre-norm layer's saved activations (nanoGPT's model, counted), so at 256 keys a quarter more
+# with heads of 64 and half as much again with heads of 32, and twice that at 512. (Under bf16 autocast, where the
+# torch path serves, nanoGPT's model ran 0.95x, 0.97x and 0.89x as fast at 128, 256 and 512 keys as on the fused
+# kernel: that path keeps SHORT_KEYS.)
+SHORT_KEYS_KERNEL = 256
 # Head size from which ShortAttention's bf16 inputs take bf16 products (see ShortAttention.product_dtype). Measured
 # by `train_speed.py --attention-products` and nanoGPT's step (docs/results.md, nineteenth #13 session).
 BF16_PRODUCTS_MIN_HEAD_DIM = 64
@@ -146,7 +160,8 @@ def _cpu_bf16_native() -> bool:
 
 
 class ShortAttention(torch.autograd.Function):
-    """softmax(QKᵀ·scale + bias)·V with a hand-written backward, for training on CPU with short keys.
+    """softmax(QKᵀ·scale + bias)·V with a hand-written backward, for training on CPU with short keys (up to
+    ``SHORT_KEYS``; up to ``SHORT_KEYS_KERNEL`` where attnlab's fp32 kernel computes it).
 
     PyTorch's fused CPU kernel tiles for long sequences and recomputes the probabilities in its
     backward; with tens of keys its blocks are mostly overhead. Here the forward is two batched
@@ -196,10 +211,16 @@ class ShortAttention(torch.autograd.Function):
         return ShortAttention.compute_dtype(q)
 
     @staticmethod
+    def kernel_serves(q, k, v) -> bool:
+        """Whether attnlab's fp32 kernel computes a call with these inputs (fp32, the kernel built here, eager
+        autograd), given a float32 bias, if any, that needs no gradient."""
+        return q.dtype == k.dtype == v.dtype == torch.float32 and _kernel_serves()
+
+    @staticmethod
     def forward(ctx, q, k, v, bias, scale, causal):
         ctx.kernel, ctx.scale, ctx.causal = False, scale, causal
-        if (q.dtype == k.dtype == v.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-                and not ctx.needs_input_grad[3] and _kernel_serves()):
+        if ((bias is None or bias.dtype == torch.float32) and not ctx.needs_input_grad[3]
+                and ShortAttention.kernel_serves(q, k, v)):
             out, probs = torch.ops.attnlab.short_attention(q, k, v, bias, scale, causal)  # (B, h, Tq, hd), (B, h, Tq, Tk)
             ctx.save_for_backward(*_compact(q, k, v), probs)
             ctx.kernel = True
