@@ -262,8 +262,8 @@ def test_short_key_training_attention_equals_the_oracle(monkeypatch, case, path)
 @pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
 def test_attention_kernel_rows_of_every_length(monkeypatch, isa):
     """The kernel's operators against float64 where its vector loops have tails: rows of 1-64 keys (one lane
-    to four whole vectors, the softmax's masked lanes among them) and of 100 (more vectors of causal scores
-    than one block of columns), causal or not, more keys than queries, more
+    to four whole vectors, the softmax's masked lanes among them) and of 100 and 112 (more vectors of causal
+    scores than one block of columns), causal or not, more keys than queries, more
     queries than keys (rows that see no key: zeros), a broadcast bias with -inf entries (with a causal mask too),
     head sizes that are and are not a multiple of the vector; the probabilities it hands the backward are the
     softmax's, zero past each row's last key, and a backward given them in another layout (contiguous) gives the
@@ -290,7 +290,7 @@ def test_attention_kernel_rows_of_every_length(monkeypatch, isa):
     assert attention.fused_short_attention()  # (where the tools are, a failed build or check fails here)
     torch.manual_seed(0)
     ops = torch.ops.attnlab
-    for n, Tk in enumerate((1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 50, 64, 100)):
+    for n, Tk in enumerate((1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 50, 64, 100, 112)):
         for causal, Tq, with_bias in ((False, Tk, True), (True, Tk, False), (True, max(1, Tk // 2), True),
                                       (True, Tk + 3, False)):
             B, h, kv, hd = 2, 4, 2, (12, 16)[n % 2]
