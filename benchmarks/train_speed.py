@@ -586,7 +586,8 @@ def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
     the FFN's activation → x · 1; the fused projection + loss → PyTorch's F.linear and F.cross_entropy (not a
     stand-in: the unfused path); gradient clipping (``clips``: where the update clips) and the optimizer step →
     nothing. ``as_is_again_ms``, the update as it is once more, is the control: its difference from
-    ``as_is_ms`` is the run's noise."""
+    ``as_is_ms`` is the run's noise. It comes last, so that the two stand at the ends of each round (the order
+    flips every round) and the control sees the drift across a round, as the stand-ins in between do."""
     from attnlab.model import layers
     from attnlab.train.tasks import base
     norms = [m for m in model.modules() if isinstance(m, (nn.LayerNorm, layers.RMSNorm))]
@@ -611,15 +612,16 @@ def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
             stack.enter_context(p)
         return stack
 
-    paths = {"as_is_ms": contextlib.nullcontext, "as_is_again_ms": contextlib.nullcontext,
-            "attention_stand_in_ms": lambda: mock.patch.object(attention.MultiHeadAttention, "_attend", attend),
-            "norm_stand_in_ms": lambda: patched(*(mock.patch.object(m, "forward", norm.__get__(m)) for m in norms)),
-            "activation_stand_in_ms": lambda: patched(*(mock.patch.object(m, "act", lambda x: x * 1.0) for m in ffns)),
-            "loss_unfused_ms": lambda: mock.patch.object(base, "LinearCrossEntropy", UnfusedLoss),
-            "no_clipping_ms": lambda: mock.patch.object(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: None),
-            "no_optimizer_step_ms": lambda: mock.patch.object(optimizer, "step", lambda *a, **k: None)}
+    paths = {"as_is_ms": contextlib.nullcontext,
+             "attention_stand_in_ms": lambda: mock.patch.object(attention.MultiHeadAttention, "_attend", attend),
+             "norm_stand_in_ms": lambda: patched(*(mock.patch.object(m, "forward", norm.__get__(m)) for m in norms)),
+             "activation_stand_in_ms": lambda: patched(*(mock.patch.object(m, "act", lambda x: x * 1.0) for m in ffns)),
+             "loss_unfused_ms": lambda: mock.patch.object(base, "LinearCrossEntropy", UnfusedLoss),
+             "no_clipping_ms": lambda: mock.patch.object(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: None),
+             "no_optimizer_step_ms": lambda: mock.patch.object(optimizer, "step", lambda *a, **k: None)}
     if not clips:
         del paths["no_clipping_ms"]
+    paths["as_is_again_ms"] = contextlib.nullcontext
     return paths
 
 

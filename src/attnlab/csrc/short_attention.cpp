@@ -225,7 +225,8 @@ void softmax_rows(float* s, int64_t ss, int64_t Tq, Seen seen_of, int64_t Tk, fl
     const int64_t seen = seen_of(i), n = padded(seen);
     vec sum = vec{};
     for (int64_t j = 0; j < n; j += VL) {
-      const vec e = attnlab_vec::exp_nonpositive<vec, ivec>((vec)((ivec)(load(r + j) - m[i]) | sign));  // exp(−|s − m|)
+      // exp(−|s − m|)
+      const vec e = attnlab_vec::exp_nonpositive<vec, ivec>((vec)((ivec)(load(r + j) - m[i]) | sign));
       store(r + j, e);  // (−0.0 at the maximum: exp = 1)
       sum += e;
     }
@@ -308,8 +309,8 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q_, const a
         float* ph = pp + (b * h + head) * Tq * PS;  // (Tq, PS)
         run({Tq, TP, hd, qh, q.stride(2), 1, kt.data(), TP, ph, PS, false, causal ? KEYS_IN_N : NONE, off});  // S
         const float* bh = bp ? bp + b * bias.stride(0) + head * bias.stride(1) : nullptr;
-        softmax_rows(ph, PS, Tq, [&](int64_t i) { return causal ? std::min(Tk, std::max<int64_t>(0, i + off + 1)) : Tk; },
-                     Tk, scale, bh, bp ? bias.stride(2) : 0, bp ? bias.stride(3) : 0, m.data());
+        const auto seen = [&](int64_t i) { return causal ? std::min(Tk, std::max<int64_t>(0, i + off + 1)) : Tk; };
+        softmax_rows(ph, PS, Tq, seen, Tk, scale, bh, bp ? bias.stride(2) : 0, bp ? bias.stride(3) : 0, m.data());
         float* oh = op + (b * Tq * h + head) * hd;  // row i at oh + i·h·hd
         float* dst = hd == HP ? oh : O.data();
         const int64_t sd = hd == HP ? h * hd : HP;
@@ -371,9 +372,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
           softmax_backward_row(D.data() + i * TP, ph + i * PS, seen, TP, scale);
         }
         const Skip queries = causal ? QUERIES_IN_K : NONE, keys = causal ? KEYS_IN_K : NONE;
-        // (straight into dk and dv's (B, Tk, kv, hd) memory, where the head size is whole vectors)
-        run({Tk, HP, Tq, ph, 1, PS, gr, sg, pad ? dV.data() : dvh, pad ? HP : kv * hd, r > 0, queries, off});  // dV (+)= Pᵀ·dO
-        run({Tk, HP, Tq, D.data(), 1, TP, qr, sq, pad ? dK.data() : dkh, pad ? HP : kv * hd, r > 0, queries, off});  // dK (+)= dSᵀ·Q·scale
+        // dV (+)= Pᵀ·dO and dK (+)= dSᵀ·Q·scale, straight into dk and dv's (B, Tk, kv, hd) memory where the head size
+        // is whole vectors
+        const int64_t sdkv = pad ? HP : kv * hd;
+        run({Tk, HP, Tq, ph, 1, PS, gr, sg, pad ? dV.data() : dvh, sdkv, r > 0, queries, off});
+        run({Tk, HP, Tq, D.data(), 1, TP, qr, sq, pad ? dK.data() : dkh, sdkv, r > 0, queries, off});
         float* dqh = dqp + (b * Tq * h + head) * hd;  // row i at dqh + i·h·hd
         run({Tq, HP, Tk, D.data(), TP, 1, kr, sk, pad ? dQ.data() : dqh, pad ? HP : h * hd, false, keys, off});  // dQ
         if (pad)
