@@ -129,22 +129,22 @@ def scaled_dot_product_attention(
 # `python benchmarks/train_speed.py --shapes none --attention` (2 threads, AVX-512, fp32, self-attention
 # forward + backward as the model runs it, warm; docs/results.md): in alternating turns the fused kernel over
 # ShortAttention is 1.08x at 64 keys (nanoGPT's 12 x 4 heads, d 32), 1.12x for vit-mnist's 50 tokens, 0.69-0.96x
-# at 24-32 keys with heads of 64, 0.78x at 128; inside the whole training step, where the data comes from memory,
-# ShortAttention wins at 24-32 keys too (the fused kernel's step 1.010-1.016x longer). Under torch.compile the gap
-# is larger: inductor fuses ShortAttention's softmax with the ops around it, where the fused kernel stays one
-# opaque call.
+# at 24-32 keys with heads of 64, 0.78x at 128 (the torch path, before attnlab's kernel; for the kernel see
+# SHORT_KEYS_KERNEL); inside the whole training step, where the data comes from memory, ShortAttention wins at
+# 24-32 keys too (the fused kernel's step 1.010-1.016x longer). Under torch.compile the gap is larger: inductor
+# fuses ShortAttention's softmax with the ops around it, where the fused kernel stays one opaque call.
 SHORT_KEYS = 64
 # Keys up to which ShortAttention serves where attnlab's fp32 kernel computes it (fp32 q, k and v, no gradient for a
 # bias, the kernel built here). Measured by `python benchmarks/train_speed.py --shapes none --attention-keys
 # 128,256,512` (2 threads, AVX-512; docs/results.md, twenty-eighth #13 session): the whole training update of
 # nanoGPT's Shakespeare model (4 layers, 4 heads of 32, batch 12) with blocks of 128, 256 and 512 tokens ran 1.20x,
-# 1.20x and 1.39x faster than on PyTorch's fused kernel (1.15-1.10x, 1.23-1.19x and 1.35-1.29x in earlier runs),
-# one of d 256 (4 heads of 64) 1.07x and 1.11x at 128 and 256 (ad hoc). Not further: the kernel keeps the (B, h, Tq, Tk)
-# probabilities for the backward where the fused kernel keeps one number a row: h·T floats a token against ~16·d
-# for the rest of a pre-norm layer's saved activations (nanoGPT's model, counted), so at 256 keys a quarter more
-# with heads of 64 and half as much again with heads of 32, and twice that at 512. (Under bf16 autocast, where the
-# torch path serves, nanoGPT's model ran 1.01x, 0.92x and 0.86x as fast at 128, 256 and 512 keys as on the fused
-# kernel, 0.95x, 0.97x and 0.89x in an earlier run: that path keeps SHORT_KEYS.)
+# 1.20x and 1.39x faster than on PyTorch's fused kernel (1.15x, 1.23x, 1.35x and 1.10x, 1.19x, 1.29x in two earlier
+# runs), one of d 256 (4 heads of 64) 1.07x and 1.11x at 128 and 256 (ad hoc). Not further: the kernel keeps the
+# (B, h, Tq, Tk) probabilities for the backward where the fused kernel keeps one number a row: h·T floats a token
+# against ~16·d for the rest of a pre-norm layer's saved activations (nanoGPT's model, counted), so at 256 keys a
+# quarter more with heads of 64 and half as much again with heads of 32, and twice that at 512. (Under bf16
+# autocast, where the torch path serves, nanoGPT's model ran 1.01x, 0.92x and 0.86x as fast at 128, 256 and 512 keys
+# as on the fused kernel, 0.95x, 0.97x and 0.89x in an earlier run: that path keeps SHORT_KEYS.)
 SHORT_KEYS_KERNEL = 256
 # Head size from which ShortAttention's bf16 inputs take bf16 products (see ShortAttention.product_dtype). Measured
 # by `train_speed.py --attention-products` and nanoGPT's step (docs/results.md, nineteenth #13 session).
