@@ -446,13 +446,16 @@ def self_attention(B, h, T, hd, causal, dtype=torch.float32):
     return run, 40 * 64 * 64 * 48 / (B * h * T * T)
 
 
-def attnlab_shape_steps(args, bf16: bool):
-    """(name, step) for each of ``--shapes``: attnlab's training step on a fresh model, fused AdamW, one batch."""
+def attnlab_shape_steps(args, bf16: bool, parts: bool = False):
+    """(name, step) for each of ``--shapes``: attnlab's training step on a fresh model, fused AdamW, one batch
+    (``parts``: (name, step, model, optimizer))."""
     for name in [] if args.shapes == "none" else args.shapes.split(","):
         s = SHAPES[name]
         model = build_side(s, "attnlab")
+        opt = make_adamw(model.parameters(), lr=1e-4)
         src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
-        yield name, attnlab_step(model, make_adamw(model.parameters(), lr=1e-4), src, tgt_in, labels, bf16)
+        step = attnlab_step(model, opt, src, tgt_in, labels, bf16)
+        yield (name, step, model, opt) if parts else (name, step)
 
 
 def fused_attention_only():
@@ -633,14 +636,8 @@ def ablation_table(args) -> dict:
     (a profile's self times can say otherwise: the profiler slows the small operators, and an operator's time
     in isolation leaves out the caches it finds cold or warm inside the update). ``noise_ms``: the control's
     difference (the same update twice); a part's cost within a few times that is not told from nothing."""
-    steps = []
-    for name in [] if args.shapes == "none" else args.shapes.split(","):
-        s = SHAPES[name]
-        model = build_side(s, "attnlab")
-        opt = make_adamw(model.parameters(), lr=1e-4)
-        src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
-        steps.append((f"step {name} fp32", attnlab_step(model, opt, src, tgt_in, labels, False), model, opt, False,
-                      args.steps))
+    steps = [(f"step {name} fp32", step, model, opt, False, args.steps)
+             for name, step, model, opt in attnlab_shape_steps(args, False, parts=True)]
     work = shakespeare_text(args)
     if work is not None:
         trainer = lm_trainer(str(work / "input.txt"), str(work / "ablation_lm"), 10 ** 6, False, args.threads, False)
@@ -933,6 +930,12 @@ def nanogpt_step(args) -> dict:
     return out
 
 
+# The CPU tables behind their --flags (the argparse names), run in this order after the step tables
+TABLES = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
+          "gemm": gemm_table, "attention_products": attention_products_table, "attention": attention_table,
+          "ablate": ablation_table, "attention_keys": attention_keys_table}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
@@ -1003,12 +1006,11 @@ def main():
     if device.type not in ("cpu", "cuda", "mps"):
         raise SystemExit(f"--device {args.device}: cpu, cuda or mps (a device the step can be trained and timed on)")
     args.device = str(device)
-    if device.type != "cpu" and (args.nanogpt or args.corpus or args.attention or args.dropout or args.gemm or args.gelu
-                                 or args.attention_kernel or args.attention_products or args.ablate
-                                 or args.attention_keys):
-        raise SystemExit(f"--device {args.device}: only the step tables (--shapes) run there; --nanogpt, --corpus, "
-                         "--attention, --attention-keys, --dropout, --gemm, --gelu, --attention-kernel, "
-                         "--attention-products and --ablate are CPU tables")
+    cpu_tables = ["nanogpt", "corpus", *TABLES]
+    if device.type != "cpu" and any(getattr(args, name) for name in cpu_tables):
+        flags = [f"--{name.replace('_', '-')}" for name in cpu_tables]
+        raise SystemExit(f"--device {args.device}: only the step tables (--shapes) run there; "
+                         f"{', '.join(flags[:-1])} and {flags[-1]} are CPU tables")
     if args.peak_size is None:
         args.peak_size = 2048 if device.type == "cpu" else 8192
     if args.threads:
@@ -1035,10 +1037,7 @@ def main():
         key = f"corpus_{'bf16' if bf16 else 'fp32'}"
         results[key] = run_corpus(SHAPES[args.corpus_shape], args, bf16)
         print(key, json.dumps(results[key]), flush=True)
-    tables = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
-              "gemm": gemm_table, "attention_products": attention_products_table, "attention": attention_table,
-              "ablate": ablation_table, "attention_keys": attention_keys_table}
-    for name, table in tables.items():  # (each behind its --flag, in this order)
+    for name, table in TABLES.items():  # (each behind its --flag, in this order)
         if getattr(args, name):
             results[name] = table(args)
             print(name, json.dumps(results[name]), flush=True)

@@ -526,11 +526,9 @@ def test_attention_kernel_takes_longer_keys_where_it_serves(monkeypatch):
         assert _short_attention_kernel_used(out) == {True}
         g = torch.randn_like(out)
         got = torch.autograd.grad(out, (q, k, v), g)
-        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        s = q64 @ k64.transpose(-1, -2) / hd ** 0.5
-        s = s.masked_fill(~(causal_mask(T, T, "cpu") if is_causal else mask), float("-inf"))
-        want_out = s.softmax(-1) @ v64
-        want = torch.autograd.grad(want_out, (q64, k64, v64), g.double())
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        want_out = _attention_oracle(*ref_in, causal_mask(T, T, "cpu") if is_causal else mask)
+        want = torch.autograd.grad(want_out, ref_in, g.double())
         torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
         for a, w in zip(got, want):
             torch.testing.assert_close(a.double(), w, atol=1e-5, rtol=1e-5)

@@ -622,7 +622,6 @@ def package_ninja_first():
                 os.environ["PATH"] = before
 
 
-
 def can_build_kernels() -> bool:
     """Whether attnlab's own kernels (``csrc/``) can be built here: a C++ compiler and ninja."""
     from torch.utils import cpp_extension
