@@ -586,8 +586,9 @@ def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
     """{row key: a context manager factory} that swaps one part of attnlab's update for a stand-in of the same
     shapes that costs about one pass over its activation: attention → q + mean(k + v) over the keys (q, k and v
     still get gradients, so the projections' products are the same); every norm → x · weight (+ bias);
-    the FFN's activation → x · 1; the fused projection + loss → PyTorch's F.linear and F.cross_entropy (not a
-    stand-in: the unfused path); gradient clipping (``clips``: where the update clips) and the optimizer step →
+    the FFN's activation → x · 1; the projection + loss → its other path (not a stand-in: the plain projection
+    and PyTorch's loss where the update takes the fused one, ``base.FUSED_LOSS_MIN_VOCAB``, and the fused one where
+    it takes the plain); gradient clipping (``clips``: where the update clips) and the optimizer step →
     nothing. ``as_is_again_ms``, the update as it is once more, is the control: its difference from
     ``as_is_ms`` is the run's noise. It comes last, so that the two stand at the ends of each round (the order
     flips every round) and the control sees the drift across a round, as the stand-ins in between do."""
@@ -595,6 +596,8 @@ def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
     from attnlab.train.tasks import base
     norms = [m for m in model.modules() if isinstance(m, (nn.LayerNorm, layers.RMSNorm))]
     ffns = [m for m in model.modules() if isinstance(m, layers.PositionwiseFeedForward)]
+    fused = model.lm_head.weight.shape[0] >= base.FUSED_LOSS_MIN_VOCAB
+    other_loss_path = 1 << 62 if fused else 0  # (the threshold that sends the loss the other way)
 
     def attend(self, q, k, v, mask, is_causal, bias):
         B, h, T, hd = q.shape
@@ -602,12 +605,6 @@ def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
 
     def norm(self, x):
         return x * self.weight + (self.bias if getattr(self, "bias", None) is not None else 0)
-
-    class UnfusedLoss:
-        @staticmethod
-        def apply(h, weight, bias, labels, ignore, smoothing):
-            return nn.functional.cross_entropy(nn.functional.linear(h, weight, bias), labels, ignore_index=ignore,
-                                               label_smoothing=smoothing)
 
     def patched(*patches):
         stack = contextlib.ExitStack()
@@ -619,7 +616,7 @@ def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
              "attention_stand_in_ms": lambda: mock.patch.object(attention.MultiHeadAttention, "_attend", attend),
              "norm_stand_in_ms": lambda: patched(*(mock.patch.object(m, "forward", norm.__get__(m)) for m in norms)),
              "activation_stand_in_ms": lambda: patched(*(mock.patch.object(m, "act", lambda x: x * 1.0) for m in ffns)),
-             "loss_unfused_ms": lambda: mock.patch.object(base, "LinearCrossEntropy", UnfusedLoss),
+             "loss_other_path_ms": lambda: mock.patch.object(base, "FUSED_LOSS_MIN_VOCAB", other_loss_path),
              "no_clipping_ms": lambda: mock.patch.object(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: None),
              "no_optimizer_step_ms": lambda: mock.patch.object(optimizer, "step", lambda *a, **k: None)}
     if not clips:

@@ -305,6 +305,40 @@ def test_fused_output_loss_is_exact_where_the_target_probability_underflows(monk
         assert torch.allclose(g.double(), r, rtol=1e-4, atol=1e-4 * r.abs().max().item())
 
 
+@pytest.mark.parametrize("vocab", [65, 300])
+def test_output_loss_takes_the_plain_loss_below_the_fused_vocabulary(vocab, monkeypatch):
+    """Below ``FUSED_LOSS_MIN_VOCAB`` (nanoGPT's 65 characters) the trainer's loss is the plain projection and
+    PyTorch's loss, from it up the fused one; each path's loss and gradients equal a float64 oracle
+    (F.linear + F.cross_entropy), the padding rows ignored."""
+    import torch.nn.functional as F
+    from attnlab.config import TransformerConfig
+    from attnlab.model import build_model
+    from attnlab.train.tasks import base
+    monkeypatch.setattr(base, "FUSED_LOSS_MIN_VOCAB", 257)
+    calls = []
+    fused_apply = base.LinearCrossEntropy.apply
+    monkeypatch.setattr(base.LinearCrossEntropy, "apply", lambda *a: calls.append(1) or fused_apply(*a))
+    torch.manual_seed(0)
+    cfg = TransformerConfig(family="decoder-only", vocab_size=vocab, d_model=32, n_heads=4, n_decoder_layers=1,
+                            d_ff=64, max_len=16, dropout=0.0)
+    model = build_model(cfg).train()
+    ids = torch.randint(4, vocab, (3, 12))
+    labels = ids[:, 1:].clone()
+    labels[1, 6:] = 0  # padding
+    hidden = model(ids[:, :-1], hidden_only=True).detach().requires_grad_()  # (the tied weight: the head's use only)
+    h = hidden.detach().double().requires_grad_()
+    w = model.lm_head.weight.detach().double().requires_grad_()
+    b = model.lm_head.bias.detach().double().requires_grad_() if model.lm_head.bias is not None else None
+    want = F.cross_entropy(F.linear(h, w, b).reshape(-1, vocab), labels.reshape(-1), ignore_index=0, label_smoothing=0.1)
+    want.backward()
+    loss, n = base.output_loss(model, hidden, labels, 0, 0.1)
+    d_hidden, d_w = torch.autograd.grad(loss, (hidden, model.lm_head.weight))
+    assert bool(calls) == (vocab >= 257) and n == int((labels != 0).sum())
+    assert abs(loss.item() - want.item()) < 1e-5
+    assert torch.allclose(d_hidden.double(), h.grad, atol=1e-7, rtol=1e-4)
+    assert torch.allclose(d_w.double(), w.grad, atol=1e-7, rtol=1e-4)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_training_loss_through_the_hidden_states_equals_the_logits_loss(bf16, monkeypatch):
     """``output_loss`` on a model's hidden states (tied embedding, T5's output rescaling, bf16

@@ -221,14 +221,27 @@ def forward_to_output_loss(model, forward, pad_id: int | None):
     return run
 
 
+FUSED_LOSS_MIN_VOCAB = 257
+"""Vocabularies narrower than this (characters, bytes) take the plain projection and PyTorch's loss in training.
+
+Why: the fused loss exists to never hold (tokens × vocabulary) fp32 logits; with ≤ 256 classes those are at most
+a couple of hidden states' worth, and PyTorch's one-kernel loss beats the fused one's ~25 small steps per chunk.
+Forward + backward of the projection and loss on their own (2 threads, the AMD EPYC of docs/results.md), fused ÷
+plain: 768 tokens × d 128 (nanoGPT's update) at 65 classes 1.92× (839 against 437 µs), 128 1.25×, 256 1.15×
+(bf16 autocast 1.35× and 1.31×), 512 0.75×; 4,096 × d 384 at 65 1.26×, 128 1.33×, 512 0.93×; 1,536 × d 512 at 256
+1.14×. From 512 classes up the fused loss is the faster and the leaner."""
+
+
 def output_loss(model, hidden: torch.Tensor, labels: torch.Tensor, pad_id: int | None, smoothing: float):
     """``label_smoothed_loss(model's logits, ...)`` from the last hidden states (B, T, d), with the
     output projection inside the loss (``LinearCrossEntropy``): in training, the (tokens × vocabulary)
     logits and their gradient are never held, a few rows at a time instead. Where there is no
-    gradient to take, it is the plain projection and ``label_smoothed_loss``."""
+    gradient to take, or the vocabulary is narrower than :data:`FUSED_LOSS_MIN_VOCAB`, it is the plain
+    projection and ``label_smoothed_loss``."""
     head = model.lm_head
     h, labels = model.head_input(hidden).reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    if not (torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)):
+    if (head.weight.shape[0] < FUSED_LOSS_MIN_VOCAB
+            or not (torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad))):
         return label_smoothed_loss(head(h), labels, pad_id, smoothing)
     ignore = pad_id if pad_id is not None else -100
     loss = LinearCrossEntropy.apply(h, head.weight, head.bias, labels, ignore, smoothing)
