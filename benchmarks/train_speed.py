@@ -931,6 +931,8 @@ def nanogpt_step(args) -> dict:
 TABLES = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
           "gemm": gemm_table, "attention_products": attention_products_table, "attention": attention_table,
           "ablate": ablation_table, "attention_keys": attention_keys_table}
+# ... those of them that time their own steps of --shapes, in place of the step tables
+OWN_STEPS = ("dropout", "gelu", "attention_kernel", "gemm", "attention_products", "ablate")
 
 
 def main():
@@ -1021,8 +1023,7 @@ def main():
     dtypes = {"both": [False] + ([True] if accel.bf16_native(device) else []), "fp32": [False], "bf16": [True]}[args.dtype]
     if True in dtypes and not accel.bf16_native(device):
         raise SystemExit(f"--dtype bf16: {args.device} has no native bf16 here (emulated bf16 is not a row)")
-    shapes = ([] if args.shapes == "none" or args.dropout or args.gemm or args.gelu or args.attention_kernel
-              or args.attention_products or args.ablate else args.shapes.split(","))  # (those have their own steps)
+    shapes = [] if args.shapes == "none" or any(getattr(args, name) for name in OWN_STEPS) else args.shapes.split(",")
     for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size, args.device)
         results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
