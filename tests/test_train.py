@@ -305,16 +305,15 @@ def test_fused_output_loss_is_exact_where_the_target_probability_underflows(monk
         assert torch.allclose(g.double(), r, rtol=1e-4, atol=1e-4 * r.abs().max().item())
 
 
-@pytest.mark.parametrize("vocab", [65, 300])
+@pytest.mark.parametrize("vocab", [65, 256, 257])
 def test_output_loss_takes_the_plain_loss_below_the_fused_vocabulary(vocab, monkeypatch):
-    """Below ``FUSED_LOSS_MIN_VOCAB`` (nanoGPT's 65 characters) the trainer's loss is the plain projection and
-    PyTorch's loss, from it up the fused one; each path's loss and gradients equal a float64 oracle
-    (F.linear + F.cross_entropy), the padding rows ignored."""
+    """Below 257 classes (``FUSED_LOSS_MIN_VOCAB``, as shipped: nanoGPT's 65 characters, bytes) the trainer's loss
+    is the plain projection and PyTorch's loss, from 257 up the fused one; each path's loss and gradients equal a
+    float64 oracle (F.linear + F.cross_entropy), the padding rows ignored."""
     import torch.nn.functional as F
     from attnlab.config import TransformerConfig
     from attnlab.model import build_model
     from attnlab.train.tasks import base
-    monkeypatch.setattr(base, "FUSED_LOSS_MIN_VOCAB", 257)
     calls = []
     fused_apply = base.LinearCrossEntropy.apply
     monkeypatch.setattr(base.LinearCrossEntropy, "apply", lambda *a: calls.append(1) or fused_apply(*a))

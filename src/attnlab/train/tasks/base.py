@@ -227,9 +227,9 @@ FUSED_LOSS_MIN_VOCAB = 257
 Why: the fused loss exists to never hold (tokens × vocabulary) fp32 logits; with ≤ 256 classes those are at most
 a couple of hidden states' worth, and PyTorch's one-kernel loss beats the fused one's ~25 small steps per chunk.
 Forward + backward of the projection and loss on their own (2 threads, the AMD EPYC of docs/results.md), fused ÷
-plain: 768 tokens × d 128 (nanoGPT's update) at 65 classes 1.92× (839 against 437 µs), 128 1.25×, 256 1.15×
-(bf16 autocast 1.35× and 1.31×), 512 0.75×; 4,096 × d 384 at 65 1.26×, 128 1.33×, 512 0.93×; 1,536 × d 512 at 256
-1.14×. From 512 classes up the fused loss is the faster and the leaner."""
+plain: 768 tokens × d 128 (nanoGPT's update) at 65 classes 1.92× (839 against 437 µs), 128 1.25× (bf16 autocast
+1.35×), 512 0.75×; 4,096 × d 384 at 65 1.26×, 128 1.33×, 512 0.93×. At 256 about even in fp32, 0.99–1.15× over four
+shapes, and 1.31–1.34× in bf16. From 512 classes up the fused loss is the faster and the leaner."""
 
 
 def output_loss(model, hidden: torch.Tensor, labels: torch.Tensor, pad_id: int | None, smoothing: float):
