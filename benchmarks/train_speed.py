@@ -446,16 +446,16 @@ def self_attention(B, h, T, hd, causal, dtype=torch.float32):
     return run, 40 * 64 * 64 * 48 / (B * h * T * T)
 
 
-def attnlab_shape_steps(args, bf16: bool, parts: bool = False):
-    """(name, step) for each of ``--shapes``: attnlab's training step on a fresh model, fused AdamW, one batch
-    (``parts``: (name, step, model, optimizer))."""
+def attnlab_shape_steps(args, bf16: bool):
+    """(name, step, model, optimizer) for each of ``--shapes``: attnlab's training step on a fresh model, fused
+    AdamW, one batch."""
     for name in [] if args.shapes == "none" else args.shapes.split(","):
         s = SHAPES[name]
         model = build_side(s, "attnlab")
         opt = make_adamw(model.parameters(), lr=1e-4)
         src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
         step = attnlab_step(model, opt, src, tgt_in, labels, bf16)
-        yield (name, step, model, opt) if parts else (name, step)
+        yield name, step, model, opt
 
 
 def fused_attention_only():
@@ -532,7 +532,7 @@ def dropout_table(args) -> dict:
             x.grad = None
         out[name] = row(run, max(3, args.steps * 40))
     for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
-        for name, step in attnlab_shape_steps(args, bf16):
+        for name, step, *_ in attnlab_shape_steps(args, bf16):
             out[f"step {name} {'bf16' if bf16 else 'fp32'}"] = row(step, args.steps)
     return out
 
@@ -546,7 +546,7 @@ def gemm_table(args) -> dict:
         if not accel.onednn_training_gemm_ok():
             return {"skipped": "attnlab's fp32 training products take MKL on this CPU (no AVX-512 for oneDNN)"}
     out = {}
-    for name, step in attnlab_shape_steps(args, False):
+    for name, step, *_ in attnlab_shape_steps(args, False):
         r = in_turns(step, args.steps, args.rounds, paths)
         out[f"step {name} fp32"] = {**r, "mkl_over_onednn": round(r["mkl_ms"] / r["onednn_ms"], 3)}
     return out
@@ -572,7 +572,7 @@ def own_kernel_table(args, what: str, cache: dict, built, other: str) -> dict:
         r = in_turns(step, n, args.rounds, paths)
         return {**r, f"{other}_over_kernel": round(r[f"{other}_ms"] / r["kernel_ms"], 3)}
 
-    out = {f"step {name} fp32": row(step, args.steps) for name, step in attnlab_shape_steps(args, False)}
+    out = {f"step {name} fp32": row(step, args.steps) for name, step, *_ in attnlab_shape_steps(args, False)}
     work = shakespeare_text(args)
     if work is not None:
         trainer = lm_trainer(str(work / "input.txt"), str(work / "kernel_lm"), 10 ** 6, False, args.threads, False)
@@ -634,7 +634,7 @@ def ablation_table(args) -> dict:
     in isolation leaves out the caches it finds cold or warm inside the update). ``noise_ms``: the control's
     difference (the same update twice); a part's cost within a few times that is not told from nothing."""
     steps = [(f"step {name} fp32", step, model, opt, False, args.steps)
-             for name, step, model, opt in attnlab_shape_steps(args, False, parts=True)]
+             for name, step, model, opt in attnlab_shape_steps(args, False)]
     work = shakespeare_text(args)
     if work is not None:
         trainer = lm_trainer(str(work / "input.txt"), str(work / "ablation_lm"), 10 ** 6, False, args.threads, False)
@@ -684,7 +684,7 @@ def attention_products_table(args) -> dict:
         out[f"attention {name} B{B} h{h} T{T} hd{hd} bf16"] = {
             **r, "fp32_over_bf16": round(r["fp32_products_ms"] / r["bf16_products_ms"], 3),
             "bf16_products_taken": hd >= attention.BF16_PRODUCTS_MIN_HEAD_DIM}
-    for name, step in attnlab_shape_steps(args, True):
+    for name, step, *_ in attnlab_shape_steps(args, True):
         r = in_turns(step, args.steps, args.rounds, paths)
         out[f"step {name} bf16"] = {**r, "fp32_over_bf16": round(r["fp32_products_ms"] / r["bf16_products_ms"], 3)}
     B, h, T, hd, _ = ATTENTION_SHAPES["large"]
