@@ -51,6 +51,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
     python benchmarks/train_speed.py --shapes none --attention [--rounds 5]   # the fused kernel vs ShortAttention
     python benchmarks/train_speed.py --shapes none --attention-keys 128,256,512 [--rounds 6]  # the same, whole updates
     python benchmarks/train_speed.py --dropout [--shapes small,large] [--rounds 5]  # attnlab's dropout kernel vs its torch path
+    python benchmarks/train_speed.py --shapes none --loss-paths [--loss-vocab 65,256,512] [--rounds 6]  # fused vs plain loss
 """
 
 import argparse
@@ -66,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from unittest import mock
 
@@ -496,6 +498,43 @@ def attention_table(args) -> dict:
                                              "short_ms": lambda T=T: mock.patch.object(attention, "SHORT_KEYS", T)})
         row["fused_over_short"] = round(row["fused_ms"] / row["short_ms"], 2)
         out[f"{name} B{B} h{h} T{T} hd{hd}{' causal' if causal else ''}"] = row
+    return out
+
+
+# -- the training loss: attnlab's fused loss against its plain path ------------------------------------
+
+# (tokens, d): nanoGPT's update (12 × 64, d 128), the small Marian step's targets (64 × 24, d 256), a larger batch
+LOSS_SHAPES = {"nanogpt": (768, 128), "marian_small": (1536, 256), "wide": (4096, 384)}
+
+
+def loss_paths_table(args) -> dict:
+    """The output projection and the label-smoothed loss, forward and backward, on their own: attnlab's fused loss
+    (``LinearCrossEntropy``) against its plain path (the projection, then PyTorch's loss), in turns, for each of
+    ``--loss-vocab``'s sizes; ``fused_over_plain`` above 1 where the plain path is faster. What sets
+    ``train.tasks.base.FUSED_LOSS_MIN_VOCAB``; ``--dtype bf16`` (or both) under bf16 autocast too."""
+    from attnlab.train.tasks import base
+    out = {}
+    for bf16 in [False, True] if args.dtype == "both" and accel.bf16_native("cpu") else [args.dtype == "bf16"]:
+        for name, (N, d) in LOSS_SHAPES.items():
+            for V in (int(v) for v in args.loss_vocab.split(",")):
+                torch.manual_seed(0)
+                head = nn.Linear(d, V, bias=False)
+                h = torch.randn(N, d, requires_grad=True)
+                labels = torch.randint(0, V, (N,))
+                model = types.SimpleNamespace(lm_head=head, head_input=lambda x: x)
+
+                def run():
+                    h.grad = head.weight.grad = None
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        loss = base.output_loss(model, h, labels, None, 0.1)[0]
+                    loss.backward()
+
+                n = max(3, int(args.steps * 2e8 / (N * d * V)))
+                row = in_turns(run, n, args.rounds,
+                               {"fused_ms": lambda: mock.patch.object(base, "FUSED_LOSS_MIN_VOCAB", 0),
+                                "plain_ms": lambda: mock.patch.object(base, "FUSED_LOSS_MIN_VOCAB", 1 << 62)})
+                row["fused_over_plain"] = round(row["fused_ms"] / row["plain_ms"], 3)
+                out[f"{name} {N} x d{d}, {V} classes, {'bf16' if bf16 else 'fp32'}"] = row
     return out
 
 
@@ -930,7 +969,7 @@ def nanogpt_step(args) -> dict:
 # The CPU tables behind their --flags (the argparse names), run in this order after the step tables
 TABLES = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
           "gemm": gemm_table, "attention_products": attention_products_table, "attention": attention_table,
-          "ablate": ablation_table, "attention_keys": attention_keys_table}
+          "ablate": ablation_table, "attention_keys": attention_keys_table, "loss_paths": loss_paths_table}
 # ... those of them that time their own steps of --shapes, in place of the step tables
 OWN_STEPS = ("dropout", "gelu", "attention_kernel", "gemm", "attention_products", "ablate")
 
@@ -972,6 +1011,10 @@ def main():
                     help="time attnlab's fp32 steps of --shapes and nanoGPT's update with each part (attention, norms, "
                          "activation, loss, clipping, optimizer step) swapped for a one-pass stand-in, in turns: "
                          "what each part costs inside the update")
+    ap.add_argument("--loss-paths", action="store_true",
+                    help="time the output projection + loss on their own, attnlab's fused loss against its plain path, "
+                         "in turns, for each of --loss-vocab's sizes (what sets FUSED_LOSS_MIN_VOCAB)")
+    ap.add_argument("--loss-vocab", default="65,128,256,512,1024,8000", help="--loss-paths: comma-separated sizes")
     ap.add_argument("--compile", action="store_true",
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
     ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")

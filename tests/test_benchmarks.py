@@ -289,6 +289,21 @@ def test_ablation_stand_ins_swap_each_part_and_put_it_back(vocab):
         assert same(update(), own), f"{key} left the model changed"
 
 
+def test_train_speed_loss_paths_table_runs(tmp_path):
+    """train_speed.py --loss-paths: the projection + loss on their own, attnlab's fused loss against its plain path in
+    turns, for each shape and vocabulary asked for, and their ratio."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--loss-paths",
+                          "--loss-vocab", "65,300", "--dtype", "fp32", "--steps", "1", "--rounds", "2", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = json.loads(res.stdout.strip().splitlines()[-1])["loss_paths"]
+    assert len(table) == 2 * len({"nanogpt", "marian_small", "wide"}) and all("fp32" in k for k in table)
+    assert {k.split(", ")[1] for k in table} == {"65 classes", "300 classes"}
+    for row in table.values():
+        assert row["fused_ms"] > 0 and row["plain_ms"] > 0
+        assert row["fused_over_plain"] == round(row["fused_ms"] / row["plain_ms"], 3)
+
+
 def test_train_speed_attention_keys_table_runs(tmp_path):
     """train_speed.py --attention-keys: the trainer's update of nanoGPT's model with each block size, ShortAttention
     against PyTorch's fused kernel in turns, and their ratio."""
