@@ -229,7 +229,9 @@ a couple of hidden states' worth, and PyTorch's one-kernel loss beats the fused 
 Forward + backward of the projection and loss on their own (2 threads, the AMD EPYC of docs/results.md), fused ÷
 plain: 768 tokens × d 128 (nanoGPT's update) at 65 classes 1.92× (839 against 437 µs), 128 1.25× (bf16 autocast
 1.35×), 512 0.75×; 4,096 × d 384 at 65 1.26×, 128 1.33×, 512 0.93×. At 256 about even in fp32, 0.99–1.15× over four
-shapes, and 1.31–1.34× in bf16. From 512 classes up the fused loss is the faster and the leaner."""
+shapes, and 1.31–1.34× in bf16 (ad hoc). `python benchmarks/train_speed.py --shapes none --loss-paths` (the paths
+in turns, three shapes, fp32 and bf16) read 1.06–1.28× at 65 classes, 0.95–1.16× at 128 and 256, and 0.77–1.04× from
+512 up. From 512 classes up the fused loss is mostly the faster, and always the leaner."""
 
 
 def output_loss(model, hidden: torch.Tensor, labels: torch.Tensor, pad_id: int | None, smoothing: float):
