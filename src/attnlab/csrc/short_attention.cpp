@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -117,6 +118,18 @@ inline void block_skipping(const Product& p, int64_t i0, int64_t n0) {
   block<MR, NB>(p, i0, n0, kb, ke);
 }
 
+// nv whole vectors of columns from column 0, as blocks of 4 vectors and one block of the 3, 2 or 1 left:
+// f(std::integral_constant<int, NB>{}, n0) for each block of NB vectors from column n0 (both loop orders below
+// share it: columns outside, rows inside for run's plain products; rows outside for KEYS_IN_N)
+template <class F>
+inline void in_vector_blocks(int64_t nv, F&& f) {
+  int64_t n0 = 0;
+  for (; nv >= 4; nv -= 4, n0 += 4 * VL) f(std::integral_constant<int, 4>{}, n0);
+  if (nv == 3) f(std::integral_constant<int, 3>{}, n0);
+  if (nv == 2) f(std::integral_constant<int, 2>{}, n0);
+  if (nv == 1) f(std::integral_constant<int, 1>{}, n0);
+}
+
 template <int NB>
 void columns(const Product& p, int64_t n0) {
   constexpr int MR = ACC / NB > 6 ? 6 : (ACC / NB < 1 ? 1 : ACC / NB);
@@ -129,11 +142,8 @@ void columns(const Product& p, int64_t n0) {
 // head's scores and their gradients, 5/8 at 64 keys on AVX-512, nearer half for longer rows)
 template <int MR>
 void seen_columns(const Product& p, int64_t i0) {
-  int64_t n0 = 0, nv = std::min(p.N, padded(std::max<int64_t>(0, i0 + MR + p.off))) / VL;
-  for (; nv >= 4; nv -= 4, n0 += 4 * VL) block<MR, 4>(p, i0, n0, 0, p.K);
-  if (nv == 3) block<MR, 3>(p, i0, n0, 0, p.K);
-  if (nv == 2) block<MR, 2>(p, i0, n0, 0, p.K);
-  if (nv == 1) block<MR, 1>(p, i0, n0, 0, p.K);
+  const int64_t nv = std::min(p.N, padded(std::max<int64_t>(0, i0 + MR + p.off))) / VL;
+  in_vector_blocks(nv, [&](auto nb, int64_t n0) { block<MR, decltype(nb)::value>(p, i0, n0, 0, p.K); });
 }
 
 void run(const Product& p) {
@@ -144,11 +154,7 @@ void run(const Product& p) {
     for (; i < p.M; ++i) seen_columns<1>(p, i);
     return;
   }
-  int64_t n0 = 0, nv = p.N / VL;
-  for (; nv >= 4; nv -= 4, n0 += 4 * VL) columns<4>(p, n0);
-  if (nv == 3) columns<3>(p, n0);
-  if (nv == 2) columns<2>(p, n0);
-  if (nv == 1) columns<1>(p, n0);
+  in_vector_blocks(p.N / VL, [&](auto nb, int64_t n0) { columns<decltype(nb)::value>(p, n0); });
 }
 
 // Rows of a (rows × cols) slice with row stride s, as rows of P floats (P a multiple of VL): the slice itself
