@@ -465,10 +465,18 @@ def fused_attention_only():
     return mock.patch.multiple(attention, SHORT_KEYS=0, SHORT_KEYS_KERNEL=0)
 
 
+ENC_DEC_KEYS_TOKENS = 2048  # source (and target) tokens a batch of the encoder-decoder rows of --attention-keys
+
+
 def attention_keys_table(args) -> dict:
     """The trainer's update of nanoGPT's model (Tiny Shakespeare from ``--data``) with blocks of each of
     ``--attention-keys`` tokens, ShortAttention (attnlab's kernel in fp32) against PyTorch's fused kernel, in turns,
-    fp32 and (native-bf16 CPUs) bf16: what ``attention.SHORT_KEYS_KERNEL`` and ``SHORT_KEYS`` are set by."""
+    fp32 and (native-bf16 CPUs) bf16: what ``attention.SHORT_KEYS_KERNEL`` and ``SHORT_KEYS`` are set by.
+
+    nanoGPT's attention is all causal self-attention; an encoder-decoder also has the encoder's self-attention and the
+    cross-attention, neither causal. So each length also times the small step table's model (d 256, 4 heads of 64,
+    3 + 3 layers; attnlab's copy of HF Marian, as the step table builds it) on random pairs of that many source and
+    target tokens, ``ENC_DEC_KEYS_TOKENS // length`` pairs a batch (fp32: the kernel's limit is an fp32 one)."""
     work = shakespeare_text(args)
     if work is None:
         return {"skipped": f"no Tiny Shakespeare in --data {args.data}"}
@@ -482,6 +490,14 @@ def attention_keys_table(args) -> dict:
             r = in_turns(lambda: trainer._update(1e-3), max(2, args.steps * 640 // block), args.rounds, paths)
             out[f"nanogpt update, {block} keys, {'bf16' if bf16 else 'fp32'}"] = {
                 **r, "fused_over_short": round(r["fused_ms"] / r["short_ms"], 3)}
+        s = SHAPES["small"]
+        model = build_side(s, "attnlab")
+        opt = make_adamw(model.parameters(), lr=1e-4)
+        pairs = max(1, ENC_DEC_KEYS_TOKENS // block)
+        src, tgt_in, labels = (torch.randint(4, VOCAB, (pairs, block)) for _ in range(3))
+        r = in_turns(attnlab_step(model, opt, src, tgt_in, labels, False), max(1, args.steps), args.rounds, paths)
+        out[f"marian small update, {pairs} x {block} keys, fp32"] = {
+            **r, "fused_over_short": round(r["fused_ms"] / r["short_ms"], 3)}
     return out
 
 
