@@ -139,7 +139,9 @@ SHORT_KEYS = 64
 # 128,256,512` (2 threads, AVX-512; docs/results.md, twenty-eighth #13 session): the whole training update of
 # nanoGPT's Shakespeare model (4 layers, 4 heads of 32, batch 12) with blocks of 128, 256 and 512 tokens ran 1.20x,
 # 1.20x and 1.39x faster than on PyTorch's fused kernel (1.15x, 1.23x, 1.35x and 1.10x, 1.19x, 1.29x in two earlier
-# runs), one of d 256 (4 heads of 64) 1.07x and 1.11x at 128 and 256 (ad hoc). Not further: the kernel keeps the
+# runs), one of d 256 (4 heads of 64) 1.07x and 1.11x at 128 and 256 (ad hoc); the same command's encoder-decoder
+# rows (the small step table's model, whose encoder self-attention and cross-attention are not causal) 1.05x, 1.07x
+# and 1.17x at 128, 256 and 512 keys (thirtieth session). Not further: the kernel keeps the
 # (B, h, Tq, Tk) probabilities for the backward where the fused kernel keeps one number a row: h·T floats a token
 # against ~16·d for the rest of a pre-norm layer's saved activations (nanoGPT's model, counted), so at 256 keys a
 # quarter more with heads of 64 and half as much again with heads of 32, and twice that at 512. (Under bf16
