@@ -57,6 +57,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
 import argparse
 import contextlib
 import gzip
+import importlib.util
 import json
 import math
 import os
@@ -476,13 +477,17 @@ def attention_keys_table(args) -> dict:
     nanoGPT's attention is all causal self-attention; an encoder-decoder also has the encoder's self-attention and the
     cross-attention, neither causal. So each length also times the small step table's model (d 256, 4 heads of 64,
     3 + 3 layers; attnlab's copy of HF Marian, as the step table builds it) on random pairs of that many source and
-    target tokens, ``ENC_DEC_KEYS_TOKENS // length`` pairs a batch (fp32: the kernel's limit is an fp32 one)."""
+    target tokens, ``ENC_DEC_KEYS_TOKENS // length`` pairs a batch (fp32: the kernel's limit is an fp32 one), where
+    transformers is installed."""
     work = shakespeare_text(args)
     if work is None:
         return {"skipped": f"no Tiny Shakespeare in --data {args.data}"}
     paths = {"fused_ms": fused_attention_only,
              "short_ms": lambda: mock.patch.multiple(attention, SHORT_KEYS=1 << 20, SHORT_KEYS_KERNEL=1 << 20)}
     out = {}
+    enc_dec = importlib.util.find_spec("transformers") is not None
+    if not enc_dec:
+        out["skipped"] = "the encoder-decoder rows: transformers is not installed (pip install -e '.[hf]')"
     for block in (int(b) for b in args.attention_keys.split(",")):
         for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
             trainer = lm_trainer(str(work / "input.txt"), str(work / f"keys_lm_{block}"), 10 ** 6, bf16, args.threads,
@@ -490,6 +495,8 @@ def attention_keys_table(args) -> dict:
             r = in_turns(lambda: trainer._update(1e-3), max(2, args.steps * 640 // block), args.rounds, paths)
             out[f"nanogpt update, {block} keys, {'bf16' if bf16 else 'fp32'}"] = {
                 **r, "fused_over_short": round(r["fused_ms"] / r["short_ms"], 3)}
+        if not enc_dec:
+            continue
         s = SHAPES["small"]
         model = build_side(s, "attnlab")
         opt = make_adamw(model.parameters(), lr=1e-4)
@@ -1009,7 +1016,8 @@ def main():
     ap.add_argument("--attention-shapes", default=None, help="--attention: comma-separated names (default: all)")
     ap.add_argument("--attention-keys", default=None,
                     help="comma-separated block sizes (e.g. 128,256,512): the trainer's update of nanoGPT's model "
-                         "with each, ShortAttention against PyTorch's fused kernel, in turns (--data: Tiny Shakespeare)")
+                         "with each, and the small encoder-decoder's (with transformers installed) on pairs of that many "
+                         "tokens, ShortAttention against PyTorch's fused kernel, in turns (--data: Tiny Shakespeare)")
     ap.add_argument("--dropout", action="store_true",
                     help="time attnlab's dropout kernel against its torch path (activations, and steps of --shapes)")
     ap.add_argument("--gelu", action="store_true",

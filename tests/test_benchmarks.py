@@ -5,6 +5,7 @@ with ``--smoke`` (2 updates on a slice of ../shared/data, where that is on the m
 is in test_quant.py."""
 
 import gzip
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -308,7 +309,6 @@ def test_train_speed_attention_keys_table_runs(tmp_path):
     """train_speed.py --attention-keys: the trainer's update of nanoGPT's model with each block size, and the small
     encoder-decoder's update with that many keys, ShortAttention against PyTorch's fused kernel in turns, and their
     ratio."""
-    pytest.importorskip("transformers")  # (the encoder-decoder rows build attnlab's copy of HF Marian)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none",
@@ -317,8 +317,12 @@ def test_train_speed_attention_keys_table_runs(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     table = json.loads(res.stdout.strip().splitlines()[-1])["attention_keys"]
-    assert {"nanogpt update, 16 keys, fp32", "nanogpt update, 80 keys, fp32",
-            "marian small update, 128 x 16 keys, fp32", "marian small update, 25 x 80 keys, fp32"} <= set(table)
+    expected = {"nanogpt update, 16 keys, fp32", "nanogpt update, 80 keys, fp32"}
+    if importlib.util.find_spec("transformers"):  # (the encoder-decoder rows build attnlab's copy of HF Marian)
+        expected |= {"marian small update, 128 x 16 keys, fp32", "marian small update, 25 x 80 keys, fp32"}
+    else:
+        assert "transformers" in table.pop("skipped")
+    assert expected <= set(table)
     for row in table.values():
         assert row["fused_ms"] > 0 and row["short_ms"] > 0
         assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 3)
