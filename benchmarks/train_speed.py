@@ -449,16 +449,19 @@ def self_attention(B, h, T, hd, causal, dtype=torch.float32):
     return run, 40 * 64 * 64 * 48 / (B * h * T * T)
 
 
+def attnlab_shape_step(s: dict, bf16: bool):
+    """(step, model, optimizer): attnlab's training step for shape ``s`` (one of SHAPES, or one with another batch and
+    length) on a fresh model, fused AdamW, one random batch."""
+    model = build_side(s, "attnlab")
+    opt = make_adamw(model.parameters(), lr=1e-4)
+    src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
+    return attnlab_step(model, opt, src, tgt_in, labels, bf16), model, opt
+
+
 def attnlab_shape_steps(args, bf16: bool):
-    """(name, step, model, optimizer) for each of ``--shapes``: attnlab's training step on a fresh model, fused
-    AdamW, one batch."""
+    """(name, step, model, optimizer) for each of ``--shapes``: :func:`attnlab_shape_step`."""
     for name in [] if args.shapes == "none" else args.shapes.split(","):
-        s = SHAPES[name]
-        model = build_side(s, "attnlab")
-        opt = make_adamw(model.parameters(), lr=1e-4)
-        src, tgt_in, labels = (torch.randint(4, VOCAB, (s["batch"], s["length"])) for _ in range(3))
-        step = attnlab_step(model, opt, src, tgt_in, labels, bf16)
-        yield name, step, model, opt
+        yield name, *attnlab_shape_step(SHAPES[name], bf16)
 
 
 def fused_attention_only():
@@ -484,6 +487,11 @@ def attention_keys_table(args) -> dict:
         return {"skipped": f"no Tiny Shakespeare in --data {args.data}"}
     paths = {"fused_ms": fused_attention_only,
              "short_ms": lambda: mock.patch.multiple(attention, SHORT_KEYS=1 << 20, SHORT_KEYS_KERNEL=1 << 20)}
+
+    def row(run, n):
+        r = in_turns(run, n, args.rounds, paths)
+        return {**r, "fused_over_short": round(r["fused_ms"] / r["short_ms"], 3)}
+
     out = {}
     enc_dec = importlib.util.find_spec("transformers") is not None
     if not enc_dec:
@@ -492,19 +500,12 @@ def attention_keys_table(args) -> dict:
         for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
             trainer = lm_trainer(str(work / "input.txt"), str(work / f"keys_lm_{block}"), 10 ** 6, bf16, args.threads,
                                  False, block_size=block)
-            r = in_turns(lambda: trainer._update(1e-3), max(2, args.steps * 640 // block), args.rounds, paths)
-            out[f"nanogpt update, {block} keys, {'bf16' if bf16 else 'fp32'}"] = {
-                **r, "fused_over_short": round(r["fused_ms"] / r["short_ms"], 3)}
-        if not enc_dec:
-            continue
-        s = SHAPES["small"]
-        model = build_side(s, "attnlab")
-        opt = make_adamw(model.parameters(), lr=1e-4)
-        pairs = max(1, ENC_DEC_KEYS_TOKENS // block)
-        src, tgt_in, labels = (torch.randint(4, VOCAB, (pairs, block)) for _ in range(3))
-        r = in_turns(attnlab_step(model, opt, src, tgt_in, labels, False), max(1, args.steps), args.rounds, paths)
-        out[f"marian small update, {pairs} x {block} keys, fp32"] = {
-            **r, "fused_over_short": round(r["fused_ms"] / r["short_ms"], 3)}
+            out[f"nanogpt update, {block} keys, {'bf16' if bf16 else 'fp32'}"] = row(
+                lambda: trainer._update(1e-3), max(2, args.steps * 640 // block))
+        if enc_dec:
+            pairs = max(1, ENC_DEC_KEYS_TOKENS // block)
+            step, *_ = attnlab_shape_step({**SHAPES["small"], "batch": pairs, "length": block}, False)
+            out[f"marian small update, {pairs} x {block} keys, fp32"] = row(step, max(1, args.steps))
     return out
 
 
