@@ -40,6 +40,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2] [--heap tools|kept|default] [--profile]
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
+    python benchmarks/train_speed.py --weight-grad [--shapes small,large] [--steps 3] [--rounds 8]  # dW: oneDNN vs MKL
     python benchmarks/train_speed.py --gelu [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]  # GELU kernel vs F.gelu
     python benchmarks/train_speed.py --attention-kernel [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]
     python benchmarks/train_speed.py --ablate [--shapes small,large] [--steps 3] [--rounds 10]  # each part's cost in the update
@@ -725,6 +726,16 @@ def attention_kernel_table(args) -> dict:
     return own_kernel_table(args, "attention kernel", attention._SHORT, attention.fused_short_attention, "torch_ops")
 
 
+def weight_grad_table(args) -> dict:
+    """``own_kernel_table`` for the fp32 weight gradients on oneDNN's GEMM, one operand turned by attnlab's transpose
+    kernel (``csrc/transpose.cpp``, ``accel.onednn_weight_grad``), against MKL's ``mm`` (where ``accel.OneDNNLinear``
+    serves at all: AMD CPUs with AVX-512)."""
+    with mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "1"}):
+        if not accel.onednn_training_gemm_ok():
+            return {"skipped": "attnlab's fp32 training products take MKL on this CPU (no AVX-512 for oneDNN)"}
+    return own_kernel_table(args, "transpose kernel", accel._TRANSPOSED, accel.onednn_weight_grad_serves, "mkl")
+
+
 def attention_products_table(args) -> dict:
     """ShortAttention under bf16 autocast (CPUs with native bf16): its P·V and input-gradient products in bf16
     (what it does there for heads of ``attention.BF16_PRODUCTS_MIN_HEAD_DIM`` or more) against all six in fp32
@@ -992,10 +1003,10 @@ def nanogpt_step(args) -> dict:
 
 # The CPU tables behind their --flags (the argparse names), run in this order after the step tables
 TABLES = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
-          "gemm": gemm_table, "attention_products": attention_products_table, "attention": attention_table,
+          "gemm": gemm_table, "weight_grad": weight_grad_table, "attention_products": attention_products_table, "attention": attention_table,
           "ablate": ablation_table, "attention_keys": attention_keys_table, "loss_paths": loss_paths_table}
 # ... those of them that time their own steps of --shapes, in place of the step tables
-OWN_STEPS = ("dropout", "gelu", "attention_kernel", "gemm", "attention_products", "ablate")
+OWN_STEPS = ("dropout", "gelu", "attention_kernel", "gemm", "weight_grad", "attention_products", "ablate")
 
 
 def main():
@@ -1029,6 +1040,9 @@ def main():
                          "against ShortAttention's torch ops, in turns")
     ap.add_argument("--gemm", action="store_true",
                     help="time attnlab's fp32 steps of --shapes on oneDNN's GEMM against MKL's, in turns")
+    ap.add_argument("--weight-grad", action="store_true",
+                    help="time attnlab's fp32 steps of --shapes and nanoGPT's update with the weight gradients on "
+                         "oneDNN's GEMM (one operand turned by attnlab's transpose kernel) against MKL's, in turns")
     ap.add_argument("--attention-products", action="store_true",
                     help="time attnlab's bf16 steps of --shapes with ShortAttention's bf16 products against fp32 "
                          "ones, in turns, and their error against float64 (CPUs with native bf16)")

@@ -193,11 +193,13 @@ def test_train_speed_dropout_table_runs():
         assert row["torch_over_kernel"] == round(row["torch_ms"] / row["kernel_ms"], 3)
 
 
-@pytest.mark.parametrize("flag, other", [("--gelu", "f_gelu"), ("--attention-kernel", "torch_ops")])
+@pytest.mark.parametrize("flag, other", [("--gelu", "f_gelu"), ("--attention-kernel", "torch_ops"),
+                                         ("--weight-grad", "mkl")])
 def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
-    """train_speed.py --gelu / --attention-kernel: attnlab's GELU or attention kernel against F.gelu or
-    ShortAttention's torch ops in turns, on a whole (tiny) Marian step and on the trainer's update of nanoGPT's
-    model (a small text given as --data), and their ratio."""
+    """train_speed.py --gelu / --attention-kernel / --weight-grad: attnlab's GELU or attention kernel, or its
+    transpose kernel that gives the weight gradients to oneDNN, against F.gelu, ShortAttention's torch ops or MKL's
+    product in turns, on a whole (tiny) Marian step and on the trainer's update of nanoGPT's model (a small text
+    given as --data), and their ratio (--weight-grad: or why it was skipped, where the products take MKL anyway)."""
     import platform
     if platform.system() != "Linux" or not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
@@ -208,6 +210,14 @@ def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     table = json.loads(res.stdout.strip().splitlines()[-1])[flag[2:].replace("-", "_")]
+    if flag == "--weight-grad":
+        from attnlab import accel
+        import os
+        from unittest import mock
+        with mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "1"}):  # (the table switches it itself)
+            if not accel.onednn_training_gemm_ok():
+                assert "no AVX-512" in table["skipped"]
+                return
     assert set(table) == {"step tiny fp32", "nanogpt update fp32"}
     for row in table.values():
         assert row["kernel_ms"] > 0 and row[f"{other}_ms"] > 0

@@ -241,6 +241,56 @@ def test_onednn_training_linear_second_order():
     torch.testing.assert_close(sides[0], sides[1], atol=1e-4, rtol=1e-5)
 
 
+def _own_kernels_build() -> bool:
+    import platform
+    import shutil
+    return platform.system() == "Linux" and bool(shutil.which("g++") or shutil.which("c++"))
+
+
+@pytest.mark.parametrize("shape", [(37, 45), (64, 8), (8, 64), (1, 9), (9, 1), (0, 5), (768, 128)])
+def test_transpose_kernel_equals_torch_copy(shape):
+    """attnlab::transposed (csrc/transpose.cpp) is x.t().contiguous() exactly: odd sizes (the 8 × 8 blocks' and the
+    32 × 32 tiles' edges), one row or column, no rows; rows further apart than their length (a column slice) and
+    a tensor whose columns are not contiguous (copied first)."""
+    if not _own_kernels_build():
+        pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
+    assert linear_mod.onednn_weight_grad_serves()  # (built, and right on its own check)
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    wide = torch.randn(shape[0], shape[1] + 7)[:, 3:3 + shape[1]]  # rows shape[1] + 7 floats apart
+    for t in (x, wide, x.t().contiguous().t()):
+        got = torch.ops.attnlab.transposed(t)
+        assert got.is_contiguous() and torch.equal(got, t.t().contiguous())
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        torch.ops.attnlab.transposed(x.double())
+
+
+@pytest.mark.parametrize("out_f, in_f", [(40, 48), (48, 40), (384, 128), (128, 512)])
+def test_onednn_weight_grad_equals_float64(out_f, in_f, monkeypatch):
+    """OneDNNLinear's weight gradient through oneDNN with one operand turned by attnlab's kernel (dy's where it is
+    the narrower, x's, and dWᵀ turned back, where x is) equals F.linear's in float64, as a product alone and
+    through the layer's backward, which takes this path where the kernel serves and MKL's mm with
+    ATTNLAB_OWN_KERNELS=0 (the same numbers)."""
+    if not _own_kernels_build():
+        pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
+    torch.manual_seed(0)
+    x, dy = torch.randn(3, 50, in_f), torch.randn(3, 50, out_f)
+    want = dy.reshape(-1, out_f).double().t() @ x.reshape(-1, in_f).double()  # (out, in)
+    got = linear_mod.onednn_weight_grad(dy.reshape(-1, out_f), x.reshape(-1, in_f))
+    assert got.shape == (out_f, in_f) and got.is_contiguous()
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    calls = []
+    real = linear_mod.onednn_weight_grad
+    monkeypatch.setattr(linear_mod, "onednn_weight_grad", lambda *a: calls.append(1) or real(*a))
+    w = torch.randn(out_f, in_f, requires_grad=True)
+    for own in ("1", "0"):
+        monkeypatch.setenv("ATTNLAB_OWN_KERNELS", own)
+        calls.clear()
+        (dw,) = torch.autograd.grad(linear_mod.OneDNNLinear.apply(x, w, None), w, dy)
+        assert len(calls) == (own == "1")
+        torch.testing.assert_close(dw.double(), want, atol=1e-4, rtol=1e-5)
+
+
 def _path(x, w, b=None):
     return type(linear_mod.linear(x, w, b).grad_fn).__name__
 
