@@ -40,7 +40,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
 
     python benchmarks/train_speed.py [--steps 10] [--shapes small,large] [--threads 2] [--heap tools|kept|default] [--profile]
     python benchmarks/train_speed.py --gemm [--shapes small,large] [--rounds 3]
-    python benchmarks/train_speed.py --weight-grad [--shapes small,large] [--steps 3] [--rounds 8]  # dW: oneDNN vs MKL
+    python benchmarks/train_speed.py --linear-kernel [--shapes small,large] [--steps 3] [--rounds 8]  # C++ linear, dW
     python benchmarks/train_speed.py --gelu [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]  # GELU kernel vs F.gelu
     python benchmarks/train_speed.py --attention-kernel [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]
     python benchmarks/train_speed.py --ablate [--shapes small,large] [--steps 3] [--rounds 10]  # each part's cost in the update
@@ -726,14 +726,41 @@ def attention_kernel_table(args) -> dict:
     return own_kernel_table(args, "attention kernel", attention._SHORT, attention.fused_short_attention, "torch_ops")
 
 
-def weight_grad_table(args) -> dict:
-    """``own_kernel_table`` for the fp32 weight gradients on oneDNN's GEMM, one operand turned by attnlab's transpose
-    kernel (``csrc/transpose.cpp``, ``accel.onednn_weight_grad``), against MKL's ``mm`` (where ``accel.OneDNNLinear``
-    serves at all: AMD CPUs with AVX-512)."""
+def linear_kernel_table(args) -> dict:
+    """attnlab's fp32 steps on ``--shapes`` and, where ``--data`` has Tiny Shakespeare, the trainer's update of
+    nanoGPT's model, with the oneDNN training linear as it ships (attnlab's kernel, ``csrc/linear.cpp``: its autograd
+    in C++ and the weight gradient on oneDNN, one operand turned by ``attnlab::transposed``), with that kernel and the
+    weight gradient on MKL's ``mm`` (``accel.ONEDNN_WEIGHT_GRAD`` off), and with the Python ``accel.OneDNNLinear``
+    (MKL's weight gradient; the kernel switched off), in turns. Where the products take MKL anyway (no AVX-512 for
+    oneDNN) the table is skipped with the reason."""
     with mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "1"}):
         if not accel.onednn_training_gemm_ok():
             return {"skipped": "attnlab's fp32 training products take MKL on this CPU (no AVX-512 for oneDNN)"}
-    return own_kernel_table(args, "transpose kernel", accel._TRANSPOSED, accel.onednn_weight_grad_serves, "mkl")
+
+    @contextlib.contextmanager
+    def path(kernel: bool, onednn_weight_grad: bool):
+        with mock.patch.dict(os.environ, {"ATTNLAB_OWN_KERNELS": "1", "ATTNLAB_PACKED_LINEAR": "1"}), \
+                mock.patch.object(accel, "ONEDNN_WEIGHT_GRAD", onednn_weight_grad), \
+                (contextlib.nullcontext() if kernel else mock.patch.dict(accel._LINEAR_KERNEL, {"ok": False})):
+            yield
+
+    with path(True, True):
+        if not accel.linear_kernel_serves():
+            return {"skipped": "attnlab's linear kernel does not build here (no C++ compiler or ninja, or not Linux)"}
+    paths = {"kernel_ms": lambda: path(True, True), "kernel_mkl_weight_grad_ms": lambda: path(True, False),
+             "python_ms": lambda: path(False, False)}
+
+    def row(step, n) -> dict:
+        r = in_turns(step, n, args.rounds, paths)
+        return {**r, "python_over_kernel": round(r["python_ms"] / r["kernel_ms"], 3),
+                "mkl_weight_grad_over_kernel": round(r["kernel_mkl_weight_grad_ms"] / r["kernel_ms"], 3)}
+
+    out = {f"step {name} fp32": row(step, args.steps) for name, step, *_ in attnlab_shape_steps(args, False)}
+    work = shakespeare_text(args)
+    if work is not None:
+        trainer = lm_trainer(str(work / "input.txt"), str(work / "kernel_lm"), 10 ** 6, False, args.threads, False)
+        out["nanogpt update fp32"] = row(lambda: trainer._update(1e-3), max(3, args.steps * 10))
+    return out
 
 
 def attention_products_table(args) -> dict:
@@ -1003,10 +1030,10 @@ def nanogpt_step(args) -> dict:
 
 # The CPU tables behind their --flags (the argparse names), run in this order after the step tables
 TABLES = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
-          "gemm": gemm_table, "weight_grad": weight_grad_table, "attention_products": attention_products_table, "attention": attention_table,
+          "gemm": gemm_table, "linear_kernel": linear_kernel_table, "attention_products": attention_products_table, "attention": attention_table,
           "ablate": ablation_table, "attention_keys": attention_keys_table, "loss_paths": loss_paths_table}
 # ... those of them that time their own steps of --shapes, in place of the step tables
-OWN_STEPS = ("dropout", "gelu", "attention_kernel", "gemm", "weight_grad", "attention_products", "ablate")
+OWN_STEPS = ("dropout", "gelu", "attention_kernel", "gemm", "linear_kernel", "attention_products", "ablate")
 
 
 def main():
@@ -1040,9 +1067,10 @@ def main():
                          "against ShortAttention's torch ops, in turns")
     ap.add_argument("--gemm", action="store_true",
                     help="time attnlab's fp32 steps of --shapes on oneDNN's GEMM against MKL's, in turns")
-    ap.add_argument("--weight-grad", action="store_true",
-                    help="time attnlab's fp32 steps of --shapes and nanoGPT's update with the weight gradients on "
-                         "oneDNN's GEMM (one operand turned by attnlab's transpose kernel) against MKL's, in turns")
+    ap.add_argument("--linear-kernel", action="store_true",
+                    help="time attnlab's fp32 steps of --shapes and nanoGPT's update with its linear kernel (autograd in "
+                         "C++, the weight gradient on oneDNN), the kernel with MKL's weight gradient, and the Python "
+                         "OneDNNLinear, in turns (AMD CPUs with AVX-512)")
     ap.add_argument("--attention-products", action="store_true",
                     help="time attnlab's bf16 steps of --shapes with ShortAttention's bf16 products against fp32 "
                          "ones, in turns, and their error against float64 (CPUs with native bf16)")

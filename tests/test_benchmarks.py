@@ -194,12 +194,12 @@ def test_train_speed_dropout_table_runs():
 
 
 @pytest.mark.parametrize("flag, other", [("--gelu", "f_gelu"), ("--attention-kernel", "torch_ops"),
-                                         ("--weight-grad", "mkl")])
+                                         ("--linear-kernel", "python")])
 def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
-    """train_speed.py --gelu / --attention-kernel / --weight-grad: attnlab's GELU or attention kernel, or its
-    transpose kernel that gives the weight gradients to oneDNN, against F.gelu, ShortAttention's torch ops or MKL's
-    product in turns, on a whole (tiny) Marian step and on the trainer's update of nanoGPT's model (a small text
-    given as --data), and their ratio (--weight-grad: or why it was skipped, where the products take MKL anyway)."""
+    """train_speed.py --gelu / --attention-kernel / --linear-kernel: attnlab's GELU, attention or linear kernel
+    against F.gelu, ShortAttention's torch ops or the Python OneDNNLinear in turns, on a whole (tiny) Marian step and
+    on the trainer's update of nanoGPT's model (a small text given as --data), and their ratio (--linear-kernel: also
+    the kernel with MKL's weight gradient, or why it was skipped, where the products take MKL anyway)."""
     import platform
     if platform.system() != "Linux" or not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
@@ -210,7 +210,7 @@ def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     table = json.loads(res.stdout.strip().splitlines()[-1])[flag[2:].replace("-", "_")]
-    if flag == "--weight-grad":
+    if flag == "--linear-kernel":
         from attnlab import accel
         import os
         from unittest import mock
@@ -222,6 +222,8 @@ def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
     for row in table.values():
         assert row["kernel_ms"] > 0 and row[f"{other}_ms"] > 0
         assert row[f"{other}_over_kernel"] == round(row[f"{other}_ms"] / row["kernel_ms"], 3)
+        if flag == "--linear-kernel":
+            assert row["mkl_weight_grad_over_kernel"] == round(row["kernel_mkl_weight_grad_ms"] / row["kernel_ms"], 3)
 
 
 def test_train_speed_ablation_table_runs(tmp_path):

@@ -204,20 +204,43 @@ def _float64_reference(x, w, b, dy, wanted):
     return y, grads
 
 
+def _own_kernels_build() -> bool:
+    import platform
+    import shutil
+    return platform.system() == "Linux" and bool(shutil.which("g++") or shutil.which("c++"))
+
+
+def _kernel_linear(onednn_weight_grad):
+    if not _own_kernels_build():
+        pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
+    assert linear_mod.linear_kernel_serves()  # (built, and right on its own check)
+    return lambda x, w, b: torch.ops.attnlab.onednn_linear(x, w, b, onednn_weight_grad)
+
+
+# the three implementations of the fp32 training linear on oneDNN: the Python autograd.Function (where attnlab's
+# kernel does not build), the C++ one of csrc/linear.cpp with the weight gradient on oneDNN (the default) or on MKL
+IMPLEMENTATIONS = {"python": lambda: linear_mod.OneDNNLinear.apply, "kernel": lambda: _kernel_linear(True),
+                   "kernel, MKL weight gradient": lambda: _kernel_linear(False)}
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("features", [(40, 48), (48, 40)])  # (out, in): dy or x is the narrower, turned
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("layout", ["2d", "3d", "strided", "broadcast grad"])
 @pytest.mark.parametrize("wanted", ["xwb", "x", "w", "xb"])
-def test_onednn_training_linear_equals_float64(bias, layout, wanted):
-    """Forward and the wanted gradients of OneDNNLinear, for 2-D, 3-D and non-contiguous inputs and a
+def test_onednn_training_linear_equals_float64(impl, features, bias, layout, wanted):
+    """Forward and the wanted gradients of the oneDNN training linear, for 2-D, 3-D and non-contiguous inputs and a
     stride-0 upstream gradient (``y.sum()``), with frozen weights or inputs, against F.linear in float64
     (run wherever oneDNN's linear op exists, whichever path this CPU picks)."""
+    fn = IMPLEMENTATIONS[impl]()
     wanted = [k for k in wanted if k != "b" or bias]
+    out_f, in_f = features
     torch.manual_seed(0)
-    w = torch.randn(40, 48, requires_grad="w" in wanted)
-    b = torch.randn(40, requires_grad="b" in wanted) if bias else None
-    x = {"2d": torch.randn(30, 48), "3d": torch.randn(3, 10, 48), "broadcast grad": torch.randn(3, 10, 48),
-         "strided": torch.randn(10, 3, 48).transpose(0, 1)}[layout].requires_grad_("x" in wanted)
-    y = linear_mod.OneDNNLinear.apply(x, w, b)
+    w = torch.randn(out_f, in_f, requires_grad="w" in wanted)
+    b = torch.randn(out_f, requires_grad="b" in wanted) if bias else None
+    x = {"2d": torch.randn(30, in_f), "3d": torch.randn(3, 10, in_f), "broadcast grad": torch.randn(3, 10, in_f),
+         "strided": torch.randn(10, 3, in_f).transpose(0, 1)}[layout].requires_grad_("x" in wanted)
+    y = fn(x, w, b)
     dy = torch.ones(()).expand_as(y) if layout == "broadcast grad" else torch.randn_like(y)
     got = torch.autograd.grad(y, [{"x": x, "w": w, "b": b}[k] for k in wanted], dy)
     ref, want = _float64_reference(x, w, b, dy, wanted)
@@ -228,33 +251,27 @@ def test_onednn_training_linear_equals_float64(bias, layout, wanted):
         torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-5)
 
 
-def test_onednn_training_linear_second_order():
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_onednn_training_linear_second_order(impl):
     """create_graph (double backward) gives F.linear's second derivatives."""
+    fn = IMPLEMENTATIONS[impl]()
     torch.manual_seed(0)
     x, w, b = torch.randn(6, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True), torch.randn(5)
     sides = []
-    for fn in (linear_mod.OneDNNLinear.apply, F.linear):
-        (gx,) = torch.autograd.grad((fn(x, w, b) ** 2).sum(), x, create_graph=True)
+    for f in (fn, F.linear):
+        (gx,) = torch.autograd.grad((f(x, w, b) ** 2).sum(), x, create_graph=True)
         (ggw,) = torch.autograd.grad(gx.sum(), w)  # d/dw of (dL/dx): zero unless the graph was kept
         sides.append(ggw)
     assert sides[1].abs().sum() > 0
     torch.testing.assert_close(sides[0], sides[1], atol=1e-4, rtol=1e-5)
 
 
-def _own_kernels_build() -> bool:
-    import platform
-    import shutil
-    return platform.system() == "Linux" and bool(shutil.which("g++") or shutil.which("c++"))
-
-
 @pytest.mark.parametrize("shape", [(37, 45), (64, 8), (8, 64), (1, 9), (9, 1), (0, 5), (768, 128)])
 def test_transpose_kernel_equals_torch_copy(shape):
-    """attnlab::transposed (csrc/transpose.cpp) is x.t().contiguous() exactly: odd sizes (the 8 × 8 blocks' and the
+    """attnlab::transposed (csrc/linear.cpp) is x.t().contiguous() exactly: odd sizes (the 8 × 8 blocks' and the
     32 × 32 tiles' edges), one row or column, no rows; rows further apart than their length (a column slice) and
     a tensor whose columns are not contiguous (copied first)."""
-    if not _own_kernels_build():
-        pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
-    assert linear_mod.onednn_weight_grad_serves()  # (built, and right on its own check)
+    _kernel_linear(True)
     torch.manual_seed(0)
     x = torch.randn(*shape)
     wide = torch.randn(shape[0], shape[1] + 7)[:, 3:3 + shape[1]]  # rows shape[1] + 7 floats apart
@@ -265,34 +282,36 @@ def test_transpose_kernel_equals_torch_copy(shape):
         torch.ops.attnlab.transposed(x.double())
 
 
-@pytest.mark.parametrize("out_f, in_f", [(40, 48), (48, 40), (384, 128), (128, 512)])
-def test_onednn_weight_grad_equals_float64(out_f, in_f, monkeypatch):
-    """OneDNNLinear's weight gradient through oneDNN with one operand turned by attnlab's kernel (dy's where it is
-    the narrower, x's, and dWᵀ turned back, where x is) equals F.linear's in float64, as a product alone and
-    through the layer's backward, which takes this path where the kernel serves and MKL's mm with
-    ATTNLAB_OWN_KERNELS=0 (the same numbers)."""
-    if not _own_kernels_build():
-        pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
+def test_linear_takes_the_kernel_where_it_serves(monkeypatch):
+    """accel.linear's oneDNN products take attnlab's C++ autograd function where the kernel serves, the weight
+    gradient on oneDNN (one operand turned by attnlab::transposed) unless ONEDNN_WEIGHT_GRAD is off, and the Python
+    OneDNNLinear with ATTNLAB_OWN_KERNELS=0; each gives F.linear's gradients."""
+    _kernel_linear(True)
+    from attnlab import accel
+    monkeypatch.setattr(accel, "_training_gemm_ok", {})
+    monkeypatch.setattr(accel, "_decide_training_gemm", lambda: True)  # (any CPU: the choice of function is checked)
+    monkeypatch.setattr(accel, "ONEDNN_TRAINING_MIN_MACS", 0)
     torch.manual_seed(0)
-    x, dy = torch.randn(3, 50, in_f), torch.randn(3, 50, out_f)
-    want = dy.reshape(-1, out_f).double().t() @ x.reshape(-1, in_f).double()  # (out, in)
-    got = linear_mod.onednn_weight_grad(dy.reshape(-1, out_f), x.reshape(-1, in_f))
-    assert got.shape == (out_f, in_f) and got.is_contiguous()
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
-    calls = []
-    real = linear_mod.onednn_weight_grad
-    monkeypatch.setattr(linear_mod, "onednn_weight_grad", lambda *a: calls.append(1) or real(*a))
-    w = torch.randn(out_f, in_f, requires_grad=True)
-    for own in ("1", "0"):
+    x, w, b, dy = torch.randn(30, 12, requires_grad=True), torch.randn(20, 12, requires_grad=True), torch.randn(20), \
+        torch.randn(30, 20)
+    want = torch.autograd.grad(F.linear(x, w, b), (x, w), dy)
+    for own, weight_grad, node, turns in (("1", True, "OneDNNLinearFunction", True),
+                                          ("1", False, "OneDNNLinearFunction", False),
+                                          ("0", True, "OneDNNLinearBackward", False)):
         monkeypatch.setenv("ATTNLAB_OWN_KERNELS", own)
-        calls.clear()
-        (dw,) = torch.autograd.grad(linear_mod.OneDNNLinear.apply(x, w, None), w, dy)
-        assert len(calls) == (own == "1")
-        torch.testing.assert_close(dw.double(), want, atol=1e-4, rtol=1e-5)
+        monkeypatch.setattr(accel, "ONEDNN_WEIGHT_GRAD", weight_grad)
+        y = linear_mod.linear(x, w, b)
+        assert node in y.grad_fn.name()
+        with torch.profiler.profile() as prof:
+            got = torch.autograd.grad(y, (x, w), dy)
+        assert any(e.name == "attnlab::transposed" for e in prof.events()) == turns
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-5)
 
 
 def _path(x, w, b=None):
-    return type(linear_mod.linear(x, w, b).grad_fn).__name__
+    fn = linear_mod.linear(x, w, b).grad_fn
+    return "OneDNNLinearBackward" if fn is not None and "OneDNNLinear" in fn.name() else type(fn).__name__
 
 
 def test_linear_takes_onednn_only_for_eager_fp32_training_on_amd_avx512(monkeypatch):
@@ -436,7 +455,7 @@ def test_a_training_step_is_the_same_on_either_gemm(monkeypatch):
             if f is not None and f not in seen:
                 seen.add(f)
                 fn.extend(n for n, _ in f.next_functions)
-        assert any(type(f).__name__ == "OneDNNLinearBackward" for f in seen) == on
+        assert any("OneDNNLinear" in f.name() for f in seen) == on  # (Python's OneDNNLinearBackward or C++'s node)
         loss = output_loss(model, hidden, tgt, 0, 0.1)[0]
         assert (120 in rows) == on  # the fused loss's logits: a (V=120, d) weight on oneDNN
         loss.backward()

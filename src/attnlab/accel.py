@@ -424,7 +424,7 @@ def onednn_training_gemm_ok() -> bool:
 
     Why: on the AMD EPYC of docs/results.md (AVX-512) oneDNN's kernels ran the training step's shapes
     5–20% faster than MKL's (the forward product and the input's gradient; the weight's gradient too, given one
-    operand transposed by attnlab's kernel, :func:`onednn_weight_grad`, else MKL's), and MKL ran at the same speed with its instructions capped at
+    operand transposed by attnlab's kernel, :func:`linear_kernel_serves`, else MKL's), and MKL ran at the same speed with its instructions capped at
     AVX2: on AMD it takes its AVX2 path. With oneDNN capped at AVX2 the two were even. So: AMD CPUs with
     AVX-512 (F, BW, VL, DQ: oneDNN's avx512_core) only; on Intel CPUs MKL runs its own AVX-512 kernels and
     no timing says oneDNN is faster there. Off with ``ATTNLAB_PACKED_LINEAR=0`` (no oneDNN linears at
@@ -468,9 +468,10 @@ def _decide_training_gemm() -> bool:
 
 class OneDNNLinear(torch.autograd.Function):
     """``F.linear(x, w, b)`` whose forward product and input gradient run on oneDNN's GEMM (see
-    :func:`onednn_training_gemm_ok`); the weight's gradient too where attnlab's transpose kernel serves
-    (:func:`onednn_weight_grad`), else MKL's ``mm``; the bias's a sum. With ``create_graph`` (double backward) the
-    gradients are differentiable ``matmul`` and ``mm`` instead. It
+    :func:`onednn_training_gemm_ok`); the weight's gradient is MKL's ``mm``, the bias's a sum. With
+    ``create_graph`` (double backward) the input's gradient is a differentiable ``matmul`` instead. Where attnlab's
+    linear kernel builds, ``attnlab::onednn_linear`` (``csrc/linear.cpp``) does the same in C++, with the weight's
+    gradient on oneDNN too (:func:`linear_kernel_serves`); this is the fallback. It
     saves what the backward needs, as ``F.linear`` does: x only if w wants a gradient, w only if x does."""
 
     @staticmethod
@@ -490,58 +491,54 @@ class OneDNNLinear(torch.autograd.Function):
         if need_x:
             dx = dy.matmul(w) if torch.is_grad_enabled() else onednn_product(dy, w.t())  # (..., in)
         if need_w:
-            x_rows = x.reshape(-1, in_features)  # (N, in)
-            if torch.is_grad_enabled() or not onednn_weight_grad_serves():
-                dw = rows.t().mm(x_rows)  # (out, in)
-            else:
-                dw = onednn_weight_grad(rows, x_rows)
+            dw = rows.t().mm(x.reshape(-1, in_features))  # (out, in)
         if need_b and ctx.has_bias:
             db = rows.sum(0)
         return dx, dw, db
 
 
-def onednn_weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dyᵀ·x, a linear's weight gradient (out, in) from dy (N, out) and x (N, in), on oneDNN's GEMM.
-
-    Why: this product sums over the N tokens, and oneDNN's GEMM ran it 10-20% faster than MKL's on the training
-    shapes of docs/results.md (ad hoc, the reference CPU, 2 threads; in a whole step the gain is smaller, as
-    ``train_speed.py --weight-grad`` measures) when one operand comes with the tokens contiguous (the other is
-    taken as a transposed view, which oneDNN reads as it is). So the narrower of dy and x is turned by
-    ``attnlab::transposed`` (``csrc/transpose.cpp``: PyTorch's strided copy of the same took longer than the
-    product gains); where that is x, the product gives dWᵀ, turned back (a weight's size, small)."""
-    turn = torch.ops.attnlab.transposed
-    dy, x = dy.contiguous(), x.contiguous()
-    if dy.shape[1] <= x.shape[1]:
-        return onednn_product(turn(dy), x.t())  # (out, N) · (N, in) → (out, in)
-    return turn(onednn_product(turn(x), dy.t()))  # ((in, N) · (N, out))ᵀ → (out, in)
+# Whether attnlab::onednn_linear gives the weight's gradient to oneDNN (one operand turned by attnlab::transposed) or
+# to MKL's mm: oneDNN, measured by `python benchmarks/train_speed.py --linear-kernel` (docs/results.md, thirty-first
+# #13 session: the large step 1.097x, the small 1.022x, nanoGPT's update 1.032x faster so). A switch for that table.
+ONEDNN_WEIGHT_GRAD = True
+_LINEAR_KERNEL: dict = {}  # "ok" → whether attnlab::onednn_linear and attnlab::transposed are built and right here
 
 
-_TRANSPOSED: dict = {}  # "ok" → whether attnlab::transposed is built and right here (once per process)
+def linear_kernel_serves() -> bool:
+    """Whether :func:`linear`'s oneDNN products take attnlab's C++ autograd function (``csrc/linear.cpp``:
+    ``attnlab::onednn_linear``, the weight's gradient on oneDNN too, see :data:`ONEDNN_WEIGHT_GRAD`) rather than
+    :class:`OneDNNLinear`: as ``own_kernel_serves`` says (not ``ATTNLAB_OWN_KERNELS=0``, Linux, built once per
+    process for this CPU's vector extensions, and right on a check)."""
+    return own_kernel_serves(_LINEAR_KERNEL, _build_linear_kernel)
 
 
-def onednn_weight_grad_serves() -> bool:
-    """Whether :class:`OneDNNLinear`'s weight gradient takes :func:`onednn_weight_grad` (else MKL's ``mm``): where
-    attnlab's transpose kernel serves, as ``own_kernel_serves`` says (not ``ATTNLAB_OWN_KERNELS=0``, Linux, built
-    once per process for this CPU's vector extensions, and equal to PyTorch's copy on a check)."""
-    return own_kernel_serves(_TRANSPOSED, _build_transposed)
-
-
-def _build_transposed() -> bool:
+def _build_linear_kernel() -> bool:
     from .model.layers import _own_kernel
 
     def check():
-        # odd sizes (the AVX2 blocks' edges and the tiles'), rows further apart than their length, one row or column
+        # the transpose: odd sizes (the 8 × 8 blocks' and the 32 × 32 tiles' edges), rows further apart than their
+        # length; the linear: both ways of turning the weight gradient's operand, against float64 (no autograd on
+        # the caller's tensors: the first call may come from inside a forward under saved-tensor hooks or no_grad)
         g = torch.Generator().manual_seed(0)
         xs = [torch.randn(n, c, generator=g) for n, c in ((37, 45), (64, 8), (1, 9), (9, 1), (40, 33))]
         xs.append(torch.randn(21, 50, generator=g)[:, 3:40])
-        return all(torch.equal(torch.ops.attnlab.transposed(x), x.t().contiguous()) for x in xs)
+        ok = all(torch.equal(torch.ops.attnlab.transposed(x), x.t().contiguous()) for x in xs)
+        with torch.enable_grad(), torch.autograd.graph.disable_saved_tensors_hooks("attnlab's kernel check"):
+            for out_f, in_f in ((12, 20), (20, 12)):
+                x, w, b = (torch.randn(*s, generator=g).requires_grad_() for s in ((3, 5, in_f), (out_f, in_f), (out_f,)))
+                dy = torch.randn(3, 5, out_f, generator=g)
+                got = torch.autograd.grad(torch.ops.attnlab.onednn_linear(x, w, b, True), (x, w, b), dy)
+                x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+                want = torch.autograd.grad(F.linear(x64, w64, b64), (x64, w64, b64), dy.double())
+                ok = ok and all(torch.allclose(a.double(), r, atol=1e-4, rtol=1e-4) for a, r in zip(got, want))
+        return ok
 
     def transposed(x):
         return x.new_empty(x.shape[1], x.shape[0])
 
     suffix, cflags = own_kernel_target()
-    return _own_kernel("transpose kernel", "MKL's product for the weight gradient", "attnlab_transpose" + suffix,
-                       "transpose.cpp", cflags, {"transposed": transposed}, check)
+    return _own_kernel("linear kernel", "the Python OneDNNLinear with MKL's weight gradient",
+                       "attnlab_linear" + suffix, "linear.cpp", cflags, {"transposed": transposed}, check)
 
 
 def eager_autograd() -> bool:
@@ -563,6 +560,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
             and x.numel() * weight.shape[0] >= ONEDNN_TRAINING_MIN_MACS
             and not torch.is_autocast_enabled("cpu") and eager_autograd() and onednn_training_gemm_ok()):
+        if linear_kernel_serves():
+            return torch.ops.attnlab.onednn_linear(x, weight, bias, ONEDNN_WEIGHT_GRAD)
         return OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
