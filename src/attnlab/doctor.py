@@ -13,7 +13,8 @@ import torch
 
 from . import accel, quant
 from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
-                    glibc_version, heap_setting_refused, onednn_linear_ops, onednn_training_gemm_ok, packed_linear_ok)
+                    glibc_version, heap_setting_refused, linear_kernel_serves, onednn_linear_ops, onednn_training_gemm_ok,
+                    packed_linear_ok)
 from .model.attention import fused_short_attention
 from .model.layers import fused_dropout, fused_gelu
 
@@ -49,6 +50,7 @@ def report() -> dict:
         "own_dropout_kernel": fused_dropout(),  # (the same: built on first use)
         "own_gelu_kernel": fused_gelu(),
         "own_attention_kernel": fused_short_attention(),
+        "own_linear_kernel": linear_kernel_serves(),
         "training_heap_refused": heap_setting_refused(),  # None: training keeps freed memory (accel.keep_freed_memory)
         "glibc": glibc_version(),
         "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE",
@@ -84,6 +86,9 @@ def doctor_text(r: dict | None = None) -> str:
         f"  CPU inference linears, bf16   {'oneDNN pre-packed weights' if r['packed_linear_bf16'] else 'F.linear (plain)'}",
         f"  train --bf16 on CPU           {'bf16 autocast' if r['bf16_native_cpu'] else 'fp32 (bf16 not native)'}",
         f"  train, fp32 products (CPU)    {f'oneDNN GEMM (AMD, AVX-512; products from {accel.ONEDNN_TRAINING_MIN_MACS:,} multiply-adds)' if r['training_gemm_fp32'] == 'oneDNN' else 'MKL (F.linear)'}",
+        "  ... their autograd            " + ("attnlab's kernel (C++; the weight gradient on oneDNN too)"
+                                             if r["own_linear_kernel"] else "Python (the weight gradient on MKL; attnlab's "
+                                             "kernel: not built here or switched off)"),
         f"  --compile decode step (CPU)   {'inductor, compiler ' + r['cxx_compiler'] if r['compile_cpu'] else 'eager (no compiler or switched off)'}",
         f"  --quantize, decoding (CPU)    {_quantised_path(r)}",
         f"  dropout, training (CPU)       {dropout_path}",
