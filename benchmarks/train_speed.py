@@ -616,6 +616,18 @@ def gemm_table(args) -> dict:
     return out
 
 
+def fp32_step_rows(args, row) -> dict:
+    """{row name: ``row(run, n)``} for attnlab's fp32 steps of ``--shapes`` (``--steps`` calls a round) and, where
+    ``--data`` has Tiny Shakespeare, the trainer's update of nanoGPT's model (ten times as many): the rows of the
+    tables that time one of attnlab's kernels against its other path."""
+    out = {f"step {name} fp32": row(step, args.steps) for name, step, *_ in attnlab_shape_steps(args, False)}
+    work = shakespeare_text(args)
+    if work is not None:
+        trainer = lm_trainer(str(work / "input.txt"), str(work / "kernel_lm"), 10 ** 6, False, args.threads, False)
+        out["nanogpt update fp32"] = row(lambda: trainer._update(1e-3), max(3, args.steps * 10))
+    return out
+
+
 def own_kernel_table(args, what: str, cache: dict, built, other: str) -> dict:
     """attnlab's fp32 steps on ``--shapes`` and, where ``--data`` has Tiny Shakespeare, the trainer's update of
     nanoGPT's model, with one of attnlab's own kernels (``built()``: whether it serves; ``cache``: its cached
@@ -636,12 +648,7 @@ def own_kernel_table(args, what: str, cache: dict, built, other: str) -> dict:
         r = in_turns(step, n, args.rounds, paths)
         return {**r, f"{other}_over_kernel": round(r[f"{other}_ms"] / r["kernel_ms"], 3)}
 
-    out = {f"step {name} fp32": row(step, args.steps) for name, step, *_ in attnlab_shape_steps(args, False)}
-    work = shakespeare_text(args)
-    if work is not None:
-        trainer = lm_trainer(str(work / "input.txt"), str(work / "kernel_lm"), 10 ** 6, False, args.threads, False)
-        out["nanogpt update fp32"] = row(lambda: trainer._update(1e-3), max(3, args.steps * 10))
-    return out
+    return fp32_step_rows(args, row)
 
 
 # -- each part's cost inside the step: the part swapped for a one-pass stand-in, in turns ------------
@@ -755,12 +762,7 @@ def linear_kernel_table(args) -> dict:
         return {**r, "python_over_kernel": round(r["python_ms"] / r["kernel_ms"], 3),
                 "mkl_weight_grad_over_kernel": round(r["kernel_mkl_weight_grad_ms"] / r["kernel_ms"], 3)}
 
-    out = {f"step {name} fp32": row(step, args.steps) for name, step, *_ in attnlab_shape_steps(args, False)}
-    work = shakespeare_text(args)
-    if work is not None:
-        trainer = lm_trainer(str(work / "input.txt"), str(work / "kernel_lm"), 10 ** 6, False, args.threads, False)
-        out["nanogpt update fp32"] = row(lambda: trainer._update(1e-3), max(3, args.steps * 10))
-    return out
+    return fp32_step_rows(args, row)
 
 
 def attention_products_table(args) -> dict:
