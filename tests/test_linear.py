@@ -311,6 +311,21 @@ def test_linear_takes_the_kernel_where_it_serves(monkeypatch):
             torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-5)
 
 
+def test_linear_kernel_check_keeps_out_of_the_callers_autograd_state(monkeypatch):
+    """The linear kernel's check (on its first use) runs autograd, on a thread of its own: asked first under no_grad
+    or inside saved-tensor hooks (torch.utils.checkpoint's), it still passes, and the caller's hooks see none of its
+    tensors."""
+    _kernel_linear(True)
+    monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "1")
+    packed = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t)
+    for context in (torch.no_grad(), hooks):
+        monkeypatch.setattr(linear_mod, "_LINEAR_KERNEL", {})  # (asked afresh: built already, checked again)
+        with context:
+            assert linear_mod.linear_kernel_serves()
+    assert packed == []
+
+
 def _path(x, w, b=None):
     fn = linear_mod.linear(x, w, b).grad_fn
     return "OneDNNLinearBackward" if fn is not None and "OneDNNLinear" in fn.name() else type(fn).__name__

@@ -424,8 +424,8 @@ def onednn_training_gemm_ok() -> bool:
 
     Why: on the AMD EPYC of docs/results.md (AVX-512) oneDNN's kernels ran the training step's shapes
     5–20% faster than MKL's (the forward product and the input's gradient; the weight's gradient too, given one
-    operand transposed by attnlab's kernel, :func:`linear_kernel_serves`, else MKL's), and MKL ran at the same speed with its instructions capped at
-    AVX2: on AMD it takes its AVX2 path. With oneDNN capped at AVX2 the two were even. So: AMD CPUs with
+    operand transposed by attnlab's kernel, :func:`linear_kernel_serves`, else MKL's), and MKL ran at the same
+    speed with its instructions capped at AVX2: on AMD it takes its AVX2 path. With oneDNN capped at AVX2 the two were even. So: AMD CPUs with
     AVX-512 (F, BW, VL, DQ: oneDNN's avx512_core) only; on Intel CPUs MKL runs its own AVX-512 kernels and
     no timing says oneDNN is faster there. Off with ``ATTNLAB_PACKED_LINEAR=0`` (no oneDNN linears at
     all) or oneDNN capped below AVX-512 (``ONEDNN_MAX_CPU_ISA``); checked once against ``F.linear``."""
@@ -499,7 +499,8 @@ class OneDNNLinear(torch.autograd.Function):
 
 # Whether attnlab::onednn_linear gives the weight's gradient to oneDNN (one operand turned by attnlab::transposed) or
 # to MKL's mm: oneDNN, measured by `python benchmarks/train_speed.py --linear-kernel` (docs/results.md, thirty-first
-# #13 session: the large step 1.097x, the small 1.022x, nanoGPT's update 1.032x faster so). A switch for that table.
+# #13 session: the large Marian step 1.049x, the small 1.014x, nanoGPT's update 1.116x faster so; 1.097x, 1.022x and
+# 1.032x with the Python autograd function before it). A switch for that table.
 ONEDNN_WEIGHT_GRAD = True
 _LINEAR_KERNEL: dict = {}  # "ok" → whether attnlab::onednn_linear and attnlab::transposed are built and right here
 
@@ -515,23 +516,33 @@ def linear_kernel_serves() -> bool:
 def _build_linear_kernel() -> bool:
     from .model.layers import _own_kernel
 
+    def linear_right() -> bool:
+        # both ways of turning the weight gradient's operand, against F.linear in float64
+        g = torch.Generator().manual_seed(0)
+        ok = True
+        for out_f, in_f in ((12, 20), (20, 12)):
+            x, w, b = (torch.randn(*s, generator=g).requires_grad_() for s in ((3, 5, in_f), (out_f, in_f), (out_f,)))
+            dy = torch.randn(3, 5, out_f, generator=g)
+            got = torch.autograd.grad(torch.ops.attnlab.onednn_linear(x, w, b, True), (x, w, b), dy)
+            x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+            want = torch.autograd.grad(F.linear(x64, w64, b64), (x64, w64, b64), dy.double())
+            ok = ok and all(torch.allclose(a.double(), r, atol=1e-4, rtol=1e-4) for a, r in zip(got, want))
+        return ok
+
     def check():
         # the transpose: odd sizes (the 8 × 8 blocks' and the 32 × 32 tiles' edges), rows further apart than their
-        # length; the linear: both ways of turning the weight gradient's operand, against float64 (no autograd on
-        # the caller's tensors: the first call may come from inside a forward under saved-tensor hooks or no_grad)
+        # length; the linear through autograd on a thread of its own: grad mode and saved-tensor hooks are per thread,
+        # and the first call may come from inside a forward under no_grad or under torch.utils.checkpoint's hooks
         g = torch.Generator().manual_seed(0)
         xs = [torch.randn(n, c, generator=g) for n, c in ((37, 45), (64, 8), (1, 9), (9, 1), (40, 33))]
         xs.append(torch.randn(21, 50, generator=g)[:, 3:40])
-        ok = all(torch.equal(torch.ops.attnlab.transposed(x), x.t().contiguous()) for x in xs)
-        with torch.enable_grad(), torch.autograd.graph.disable_saved_tensors_hooks("attnlab's kernel check"):
-            for out_f, in_f in ((12, 20), (20, 12)):
-                x, w, b = (torch.randn(*s, generator=g).requires_grad_() for s in ((3, 5, in_f), (out_f, in_f), (out_f,)))
-                dy = torch.randn(3, 5, out_f, generator=g)
-                got = torch.autograd.grad(torch.ops.attnlab.onednn_linear(x, w, b, True), (x, w, b), dy)
-                x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
-                want = torch.autograd.grad(F.linear(x64, w64, b64), (x64, w64, b64), dy.double())
-                ok = ok and all(torch.allclose(a.double(), r, atol=1e-4, rtol=1e-4) for a, r in zip(got, want))
-        return ok
+        if not all(torch.equal(torch.ops.attnlab.transposed(x), x.t().contiguous()) for x in xs):
+            return False
+        result: list[bool] = []
+        thread = threading.Thread(target=lambda: result.append(linear_right()), name="attnlab-linear-check")
+        thread.start()
+        thread.join()
+        return result == [True]
 
     def transposed(x):
         return x.new_empty(x.shape[1], x.shape[0])
