@@ -1032,8 +1032,9 @@ def nanogpt_step(args) -> dict:
 
 # The CPU tables behind their --flags (the argparse names), run in this order after the step tables
 TABLES = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
-          "gemm": gemm_table, "linear_kernel": linear_kernel_table, "attention_products": attention_products_table, "attention": attention_table,
-          "ablate": ablation_table, "attention_keys": attention_keys_table, "loss_paths": loss_paths_table}
+          "gemm": gemm_table, "linear_kernel": linear_kernel_table, "attention_products": attention_products_table,
+          "attention": attention_table, "ablate": ablation_table, "attention_keys": attention_keys_table,
+          "loss_paths": loss_paths_table}
 # ... those of them that time their own steps of --shapes, in place of the step tables
 OWN_STEPS = ("dropout", "gelu", "attention_kernel", "gemm", "linear_kernel", "attention_products", "ablate")
 
