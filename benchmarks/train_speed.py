@@ -601,14 +601,23 @@ def dropout_table(args) -> dict:
     return out
 
 
+ONEDNN_SKIPPED = {"skipped": "attnlab's fp32 training products take MKL on this CPU (no AVX-512 for oneDNN)"}
+
+
+def onednn_training_products() -> bool:
+    """Whether attnlab's fp32 training products take oneDNN's GEMM on this CPU (``accel.onednn_training_gemm_ok``),
+    asked with oneDNN's linears switched on, as the tables that compare them switch them themselves."""
+    with mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "1"}):
+        return accel.onednn_training_gemm_ok()
+
+
 def gemm_table(args) -> dict:
     """attnlab's fp32 step on ``--shapes`` with its training products on oneDNN's GEMM (where
     ``accel.onednn_training_gemm_ok``: AVX-512 CPUs) and on MKL's (``ATTNLAB_PACKED_LINEAR=0``), in turns."""
     paths = {"onednn_ms": lambda: mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "1"}),
              "mkl_ms": lambda: mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "0"})}
-    with paths["onednn_ms"]():
-        if not accel.onednn_training_gemm_ok():
-            return {"skipped": "attnlab's fp32 training products take MKL on this CPU (no AVX-512 for oneDNN)"}
+    if not onednn_training_products():
+        return ONEDNN_SKIPPED
     out = {}
     for name, step, *_ in attnlab_shape_steps(args, False):
         r = in_turns(step, args.steps, args.rounds, paths)
@@ -740,9 +749,8 @@ def linear_kernel_table(args) -> dict:
     weight gradient on MKL's ``mm`` (``accel.ONEDNN_WEIGHT_GRAD`` off), and with the Python ``accel.OneDNNLinear``
     (MKL's weight gradient; the kernel switched off), in turns. Where the products take MKL anyway (no AVX-512 for
     oneDNN) the table is skipped with the reason."""
-    with mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "1"}):
-        if not accel.onednn_training_gemm_ok():
-            return {"skipped": "attnlab's fp32 training products take MKL on this CPU (no AVX-512 for oneDNN)"}
+    if not onednn_training_products():
+        return ONEDNN_SKIPPED
 
     @contextlib.contextmanager
     def path(kernel: bool, onednn_weight_grad: bool):

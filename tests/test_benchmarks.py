@@ -155,20 +155,25 @@ def test_train_speed_attention_table_runs():
     assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 2)
 
 
+def _onednn_training_products() -> bool:
+    """The benchmark's own answer: whether attnlab's fp32 training products take oneDNN's GEMM here."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from train_speed import onednn_training_products
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return onednn_training_products()
+
+
 def test_train_speed_gemm_table_runs():
     """train_speed.py --gemm: attnlab's fp32 step on oneDNN's GEMM and on MKL's, in turns, and their ratio
     (or the reason it was skipped, on a CPU whose fp32 training products take MKL)."""
-    from attnlab import accel
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--gemm", "--shapes", "tiny",
                           "--steps", "1", "--rounds", "1", "--threads", "1"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     table = json.loads(res.stdout.strip().splitlines()[-1])["gemm"]
-    import os
-    from unittest import mock
-    with mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "1"}):  # (the table switches it itself)
-        onednn_here = accel.onednn_training_gemm_ok()
-    if not onednn_here:
+    if not _onednn_training_products():
         assert "skipped" in table
         return
     row = table["step tiny fp32"]
@@ -210,14 +215,9 @@ def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     table = json.loads(res.stdout.strip().splitlines()[-1])[flag[2:].replace("-", "_")]
-    if flag == "--linear-kernel":
-        from attnlab import accel
-        import os
-        from unittest import mock
-        with mock.patch.dict(os.environ, {"ATTNLAB_PACKED_LINEAR": "1"}):  # (the table switches it itself)
-            if not accel.onednn_training_gemm_ok():
-                assert "no AVX-512" in table["skipped"]
-                return
+    if flag == "--linear-kernel" and not _onednn_training_products():
+        assert "no AVX-512" in table["skipped"]
+        return
     assert set(table) == {"step tiny fp32", "nanogpt update fp32"}
     for row in table.values():
         assert row["kernel_ms"] > 0 and row[f"{other}_ms"] > 0
