@@ -6,7 +6,8 @@ native bf16 (``accel.bf16_native``). Two shapes: d256/4 heads/3+3/d_ff 1024, 64 
 d512/8 heads/6+6/d_ff 2048, 32 × 32. Each side runs in a process of its own (class ``Side``) and the sides take
 turns (``--rounds``, each timing ``--steps`` steps after one warm-up step, the order rotating; the median round is
 reported). Prints target tokens/s, ratios, the side's peak RSS over its imports, its minor page faults and system
-time per step, and the model FLOP utilisation against a matmul peak measured in the same run. Each side trains
+time per step, and the model FLOP utilisation against a matmul peak measured in the same run (the highest of one
+read before the shapes and one before each round, ``run_shape``). Each side trains
 the way its own tool does: attnlab with its trainer's loss (the output projection fused with the
 cross-entropy: no logits tensor), fused AdamW, its CPU dropout and its trainer's heap setting (freed memory kept
 for the next step, ``accel.keep_freed_memory``); HF and the tutorial with
@@ -360,11 +361,12 @@ def _side_main(conn, build: str, build_args: tuple, keep_heap: bool, threads: in
         conn.send(("error", traceback.format_exc()))
 
 
-def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dict:
+def sides_in_turns(build: str, keys: list[str], build_args, args, n: int, before_round=None) -> dict:
     """Each of ``keys`` in its own process (:class:`Side`), built with ``build(*build_args(key))``; ``--rounds``
     rounds of one warm-up and ``n`` timed units each, the order rotating every round (each side takes each place
-    in the order equally often when the rounds are a multiple of the sides). Per side: the rounds' times, page
-    faults and system time per unit, peak RSS over the imports, and whether the heap was kept."""
+    in the order equally often when the rounds are a multiple of the sides); ``before_round()``, if given, runs
+    before each round. Per side: the rounds' times, page faults and system time per unit, peak RSS over the
+    imports, and whether the heap was kept."""
     threads = torch.get_num_threads()
     on_cpu = torch.device(args.device).type == "cpu"  # (attnlab's trainer keeps freed memory when it trains on CPU)
     keep = {key: args.heap == "kept" or (args.heap == "tools" and key == "attnlab" and on_cpu) for key in keys}
@@ -373,6 +375,8 @@ def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dic
         kept = {key: side.answer() for key, side in sides.items()}  # (built: whether its heap is kept)
         rows = {key: [] for key in keys}
         for r in range(args.rounds):
+            if before_round is not None:
+                before_round()
             for key in keys[r % len(keys):] + keys[:r % len(keys)]:
                 rows[key].append(sides[key].ask("time", n))
         # --profile: the step tables' steps (an epoch of --corpus is not profiled)
@@ -390,9 +394,18 @@ def sides_in_turns(build: str, keys: list[str], build_args, args, n: int) -> dic
 
 
 def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
+    """The three sides' steps on shape ``s`` in turns. The matmul peak the MFUs divide by is the highest of
+    ``peak`` (measured before the shapes) and one measured before each round: the machine's speed can move
+    by ±15% within minutes (docs/results.md), and one peak read in a slow stretch put MFUs above 1."""
     keys = ["attnlab", "hf_marian", "torch_nn_transformer"]
-    sides = sides_in_turns("shape_side", keys, lambda key: (name, key, bf16, args.device), args, args.steps)
-    out, t = {}, {}  # t: each side's median seconds per step, unrounded (a GPU's step takes milliseconds)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    peaks = [peak]
+    sides = sides_in_turns("shape_side", keys, lambda key: (name, key, bf16, args.device), args, args.steps,
+                           before_round=lambda: peaks.append(matmul_peak(dtype, args.peak_size, args.device)))
+    peak = max(peaks)
+    out, t = {"matmul_peak_GFLOPs": round(peak / 1e9, 1),
+              "matmul_peaks_GFLOPs_measured": [round(p / 1e9, 1) for p in peaks]}, {}
+    # t: each side's median seconds per step, unrounded (a GPU's step takes milliseconds)
     for key in keys:
         times = sides[key].pop("s")
         t[key] = statistics.median(times)
@@ -1147,11 +1160,12 @@ def main():
     shapes = [] if args.shapes == "none" or any(getattr(args, name) for name in OWN_STEPS) else args.shapes.split(",")
     for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size, args.device)
-        results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
         for name in shapes:
             key = f"{name}_{'bf16' if bf16 else 'fp32'}"
             results[key] = run_shape(name, SHAPES[name], args, bf16, peak)
+            peak = max(peak, results[key]["matmul_peak_GFLOPs"] * 1e9)  # (the next shape's MFUs: the highest so far)
             print(key, json.dumps(results[key]), flush=True)
+        results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
     for bf16 in dtypes if args.corpus else []:
         key = f"corpus_{'bf16' if bf16 else 'fp32'}"
         results[key] = run_corpus(SHAPES[args.corpus_shape], args, bf16)

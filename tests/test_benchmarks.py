@@ -35,6 +35,17 @@ def test_train_speed_runs_one_step():
     row = r["tiny_fp32"]
     assert {"attnlab", "hf_marian", "torch_nn_transformer"} <= set(row)
     assert row["attnlab"]["ms_per_step"] > 0 and row["attnlab_vs_hf"] > 0 and r["matmul_peak_GFLOPs_fp32"] > 0
+    # the MFUs' peak: the highest of the one read before the shapes and one read before each round (3 by default)
+    assert len(row["matmul_peaks_GFLOPs_measured"]) == 1 + 3
+    assert row["matmul_peak_GFLOPs"] == max(row["matmul_peaks_GFLOPs_measured"]) == r["matmul_peak_GFLOPs_fp32"]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from train_speed import SHAPES, model_flops
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for key in ("attnlab", "hf_marian", "torch_nn_transformer"):  # (the MFU to its 3 decimals)
+        mfu = model_flops(SHAPES["tiny"]) / (row[key]["ms_per_step"] / 1e3) / (row["matmul_peak_GFLOPs"] * 1e9)
+        assert row[key]["mfu"] == pytest.approx(mfu, abs=6e-4 + 0.03 * mfu), key  # (and ms to 0.1)
     # each side in its own process, with its own tool's heap: attnlab's trainer keeps freed memory (where glibc
     # allows), the peers run glibc's defaults
     from attnlab import accel
