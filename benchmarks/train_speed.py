@@ -706,7 +706,10 @@ def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
         return stack
 
     paths = {"as_is_ms": contextlib.nullcontext,
-             "attention_stand_in_ms": lambda: mock.patch.object(attention.MultiHeadAttention, "_attend", attend),
+             # (and not the packed operator, which self-attention without a mask takes in place of _attend)
+             "attention_stand_in_ms": lambda: patched(mock.patch.object(attention.MultiHeadAttention, "_attend", attend),
+                                                      mock.patch.object(attention, "packed_kernel_serves",
+                                                                        lambda qkv: False)),
              "norm_stand_in_ms": lambda: patched(*(mock.patch.object(m, "forward", norm.__get__(m)) for m in norms)),
              "activation_stand_in_ms": lambda: patched(*(mock.patch.object(m, "act", lambda x: x * 1.0) for m in ffns)),
              "loss_other_path_ms": lambda: mock.patch.object(base, "FUSED_LOSS_MIN_VOCAB", other_loss_path),

@@ -187,6 +187,11 @@ def _short_attention_kernel_used(out, each: bool = False):
     return used if each else set(used)
 
 
+def _packed_attention_nodes(out) -> list:
+    """The attnlab::packed_self_attention nodes of out's graph (a C++ autograd function: ShortAttention's kernel)."""
+    return [fn for fn in _graph(out) if fn.name().endswith("::PackedSelfAttention>")]
+
+
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("case", ["causal", "padding", "gqa_causal_padding", "shifted_causal", "empty_rows"])
 def test_short_key_training_attention_equals_the_oracle(monkeypatch, case, path):
@@ -458,7 +463,10 @@ def test_attention_kernel_trains_the_model_as_the_torch_path_does(monkeypatch, p
         _attention_path(monkeypatch, path)
         model.zero_grad(set_to_none=True)
         loss = run()
-        used = _short_attention_kernel_used(loss, each=True)
+        # the ViT's unmasked self-attention takes the packed operator (the kernel behind a C++ autograd function)
+        packed = len(_packed_attention_nodes(loss))
+        assert packed == (attentions if preset == "vit-mnist" and path == "kernel" else 0)
+        used = _short_attention_kernel_used(loss, each=True) + [True] * packed
         if path == "kernel":  # what the kernel's backward keeps: q, k, v as they are where together they cover
             views = 0         # their memory (a fused projection's split), else a compact copy (v beside RoPE's q, k)
             for fn in _short_attention_nodes(loss):
@@ -468,11 +476,55 @@ def test_attention_kernel_trains_the_model_as_the_torch_path_does(monkeypatch, p
                     kept[t.untyped_storage().data_ptr()] = (nbytes, used_bytes + t.numel() * t.element_size())
                 assert all(nbytes == used_bytes for nbytes, used_bytes in kept.values())  # nothing more kept alive
                 views += any(t.untyped_storage().nbytes() > t.numel() * t.element_size() for t in fn.saved_tensors[:3])
-            assert views == (0 if preset == "llama-mini" else attentions)  # (RoPE: q, k new tensors, v a compact copy)
+            # (RoPE: q, k new tensors, v a compact copy; the ViT's attentions are all packed)
+            assert views == (0 if preset in ("llama-mini", "vit-mnist") else attentions)
         loss.backward()
         results[path] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], used)
     assert results["kernel"][2] == [True] * attentions and results["torch"][2] == [False] * attentions
     _assert_same_training(results["kernel"][:2], results["torch"][:2])
+
+
+@pytest.mark.parametrize("case", ["causal", "full", "gqa_unaligned_head", "strided_input"])
+def test_packed_self_attention_equals_the_oracle(monkeypatch, case):
+    """attnlab::packed_self_attention (self-attention over the fused projection, its gradient written into one
+    tensor by its C++ autograd function) against a float64 oracle: the output and qkv's gradient, causal or not,
+    GQA with a head size the vectors do not divide, a projection that is a strided view; a broadcast gradient
+    (out.sum()'s); and a second derivative (create_graph takes differentiable ops)."""
+    _own_kernels_on(monkeypatch)
+    _attention_path(monkeypatch, "kernel")
+    torch.manual_seed(0)
+    B, T, h, kv, hd, causal = 3, 11, 4, 4, 16, case != "full"
+    if case == "gqa_unaligned_head":
+        kv, hd = 2, 20
+    width = (h + 2 * kv) * hd
+    base = torch.randn(B, T, width + (5 if case == "strided_input" else 0))
+    qkv = base[..., :width].requires_grad_() if case != "strided_input" else base.requires_grad_()
+    x = qkv[..., :width] if case == "strided_input" else qkv
+    assert x.is_contiguous() == (case != "strided_input")
+    out = torch.ops.attnlab.packed_self_attention(x, h, kv, 0.25, causal)
+    g = torch.randn(B, T, h * hd)
+    (got,) = torch.autograd.grad(out, qkv, g)
+    ref_in = x.detach().double().requires_grad_()
+    q, k, v = ref_in.split([h * hd, kv * hd, kv * hd], -1)
+    want = _attention_oracle(q.view(B, T, h, hd).transpose(1, 2), k.view(B, T, kv, hd).transpose(1, 2),
+                             v.view(B, T, kv, hd).transpose(1, 2), causal_mask(T, T) if causal else None, scale=0.25)
+    want = want.transpose(1, 2).reshape(B, T, h * hd)
+    (want_grad,) = torch.autograd.grad(want, ref_in, g.double(), retain_graph=True)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[..., :width].double(), want_grad, atol=1e-5, rtol=1e-5)
+    if case == "strided_input":
+        assert torch.equal(got[..., width:], torch.zeros_like(got[..., width:]))
+    summed = torch.autograd.grad(torch.ops.attnlab.packed_self_attention(x, h, kv, 0.25, causal).sum(), qkv)[0]
+    (summed_want,) = torch.autograd.grad(want.sum(), ref_in, retain_graph=True)
+    torch.testing.assert_close(summed[..., :width].double(), summed_want, atol=1e-5, rtol=1e-5)
+    # a second derivative (create_graph: the backward in differentiable ops), against the oracle's
+    again = torch.ops.attnlab.packed_self_attention(x, h, kv, 0.25, causal)
+    (first,) = torch.autograd.grad(again.pow(2).sum(), qkv, create_graph=True)
+    (second,) = torch.autograd.grad(first.pow(2).sum(), qkv)
+    (first_want,) = torch.autograd.grad(want.pow(2).sum(), ref_in, create_graph=True)
+    (second_want,) = torch.autograd.grad(first_want.pow(2).sum(), ref_in)
+    torch.testing.assert_close(first[..., :width].double(), first_want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second[..., :width].double(), second_want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])

@@ -20,6 +20,8 @@
 // by torch.utils.cpp_extension (attnlab.accel.build_torch_ops); tests/test_pitfalls.py compares it with float64.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -334,10 +336,15 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q_, const a
   return {out.transpose(1, 2), probs.narrow(3, 0, Tk)};
 }
 
-// → (dq, dk, dv): (B, h, Tq, hd) in (B, Tq, h, hd) memory and (B, kv, Tk, hd) in (B, Tk, kv, hd) memory
-std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
-    const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-    const at::Tensor& probs_, double scale_, bool causal) {
+// Where the backward writes a gradient: element (b, row, head, d) at base + b·batch + row·row_stride + head·hd + d
+struct GradMemory {
+  float* base;
+  int64_t batch, row_stride;
+};
+
+// dq, dk, dv of (q, k, v) into the memory given (dk and dv with one row stride)
+void backward_into(const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                   const at::Tensor& probs_, double scale_, bool causal, GradMemory gq, GradMemory gk, GradMemory gv) {
   const at::Tensor q = float_rows(q_, "q"), k = float_rows(k_, "k"), v = float_rows(v_, "v");
   const at::Tensor go = float_rows(grad_out_, "grad_out");
   check_shapes(q, k, v);
@@ -354,12 +361,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
     probs.narrow(3, 0, Tk).copy_(probs_);
   }
   const int64_t PS = probs.stride(2);
-  at::Tensor dq = at::empty({B, Tq, h, hd}, q.options());
-  at::Tensor dk = at::empty({B, Tk, kv, hd}, q.options());
-  at::Tensor dv = at::empty({B, Tk, kv, hd}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = go.data_ptr<float>(), *pp = probs.data_ptr<float>();
-  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
   const bool pad = hd != HP;
   at::parallel_for(0, B * kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> vt(hd * TP), kbuf(pad ? Tk * HP : 0), qbuf(pad ? Tq * HP : 0), gbuf(pad ? Tq * HP : 0),
@@ -369,8 +372,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
       int64_t sk, sq, sg;
       const float* kr = rows_of(kp + b * k.stride(0) + c * k.stride(1), k.stride(2), Tk, hd, HP, kbuf.data(), &sk);
       transposed(vp + b * v.stride(0) + c * v.stride(1), v.stride(2), Tk, hd, TP, vt.data());  // Vᵀ (hd, TP)
-      float* dkh = dkp + (b * Tk * kv + c) * hd;  // (row j at dkh + j·kv·hd)
-      float* dvh = dvp + (b * Tk * kv + c) * hd;
+      float* dkh = gk.base + b * gk.batch + c * hd;  // (row j at dkh + j·row_stride)
+      float* dvh = gv.base + b * gv.batch + c * hd;
       for (int64_t r = 0; r < g; ++r) {
         const int64_t head = c * g + r;
         const float* gh = gp + b * go.stride(0) + head * go.stride(1);
@@ -384,21 +387,104 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
         const Skip queries = causal ? QUERIES_IN_K : NONE, keys = causal ? KEYS_IN_K : NONE;
         // dV (+)= Pᵀ·dO and dK (+)= dSᵀ·Q·scale, straight into dk and dv's (B, Tk, kv, hd) memory where the head size
         // is whole vectors
-        const int64_t sdkv = pad ? HP : kv * hd;
+        const int64_t sdkv = pad ? HP : gk.row_stride;
         run({Tk, HP, Tq, ph, 1, PS, gr, sg, pad ? dV.data() : dvh, sdkv, r > 0, queries, off});
         run({Tk, HP, Tq, D.data(), 1, TP, qr, sq, pad ? dK.data() : dkh, sdkv, r > 0, queries, off});
-        float* dqh = dqp + (b * Tq * h + head) * hd;  // row i at dqh + i·h·hd
-        run({Tq, HP, Tk, D.data(), TP, 1, kr, sk, pad ? dQ.data() : dqh, pad ? HP : h * hd, false, keys, off});  // dQ
+        float* dqh = gq.base + b * gq.batch + head * hd;  // row i at dqh + i·row_stride
+        run({Tq, HP, Tk, D.data(), TP, 1, kr, sk, pad ? dQ.data() : dqh, pad ? HP : gq.row_stride, false, keys, off});  // dQ
         if (pad)
-          for (int64_t i = 0; i < Tq; ++i) std::memcpy(dqh + i * h * hd, dQ.data() + i * HP, hd * sizeof(float));
+          for (int64_t i = 0; i < Tq; ++i) std::memcpy(dqh + i * gq.row_stride, dQ.data() + i * HP, hd * sizeof(float));
       }
       for (int64_t j = 0; pad && j < Tk; ++j) {
-        std::memcpy(dkh + j * kv * hd, dK.data() + j * HP, hd * sizeof(float));
-        std::memcpy(dvh + j * kv * hd, dV.data() + j * HP, hd * sizeof(float));
+        std::memcpy(dkh + j * gk.row_stride, dK.data() + j * HP, hd * sizeof(float));
+        std::memcpy(dvh + j * gv.row_stride, dV.data() + j * HP, hd * sizeof(float));
       }
     }
   });
+}
+
+// → (dq, dk, dv): (B, h, Tq, hd) in (B, Tq, h, hd) memory and (B, kv, Tk, hd) in (B, Tk, kv, hd) memory
+std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& probs, double scale, bool causal) {
+  check_shapes(q, k, v);
+  const int64_t B = q.size(0), h = q.size(1), Tq = q.size(2), hd = q.size(3), kv = k.size(1), Tk = k.size(2);
+  at::Tensor dq = at::empty({B, Tq, h, hd}, q.options());
+  at::Tensor dk = at::empty({B, Tk, kv, hd}, q.options());
+  at::Tensor dv = at::empty({B, Tk, kv, hd}, q.options());
+  backward_into(grad_out, q, k, v, probs, scale, causal, {dq.data_ptr<float>(), Tq * h * hd, h * hd},
+                {dk.data_ptr<float>(), Tk * kv * hd, kv * hd}, {dv.data_ptr<float>(), Tk * kv * hd, kv * hd});
   return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
+}
+
+// Self-attention over one fused projection qkv (B, T, (h + 2·kv)·hd), its q, k, v the heads of its three column
+// blocks → the output (B, T, h·hd), the heads merged, with its autograd here: the gradient is one (B, T, (h + 2·kv)·hd)
+// tensor that the backward writes dq, dk and dv into, where ShortAttention's path returns three for the split's
+// backward to concatenate, behind a dozen view and transpose nodes and a Python autograd function (nanoGPT's update
+// 1.034x faster so, docs/results.md, thirty-second #13 session). Under create_graph the backward takes differentiable
+// ops, so a second derivative is right (ShortAttention refuses one).
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> heads_of(const at::Tensor& qkv, int64_t h, int64_t kv) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), hd = qkv.size(2) / (h + 2 * kv);
+  return {qkv.narrow(2, 0, h * hd).view({B, T, h, hd}).transpose(1, 2),  // (B, h, T, hd)
+          qkv.narrow(2, h * hd, kv * hd).view({B, T, kv, hd}).transpose(1, 2),  // (B, kv, T, hd)
+          qkv.narrow(2, (h + kv) * hd, kv * hd).view({B, T, kv, hd}).transpose(1, 2)};
+}
+
+struct PackedSelfAttention : public torch::autograd::Function<PackedSelfAttention> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& qkv, int64_t h, int64_t kv, double scale,
+                            bool causal) {
+    const auto [q, k, v] = heads_of(qkv, h, kv);
+    const auto [out, probs] = short_attention(q, k, v, c10::nullopt, scale, causal);
+    ctx->save_for_backward({qkv, probs});
+    ctx->saved_data["h"] = h;
+    ctx->saved_data["kv"] = kv;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    return out.transpose(1, 2).view({qkv.size(0), qkv.size(1), h * q.size(3)});  // (B, T, h·hd): its memory's layout
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &qkv = saved[0], &probs = saved[1];
+    const variable_list none = {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (!grads[0].defined()) return {at::Tensor(), none[0], none[1], none[2], none[3]};
+    const int64_t h = ctx->saved_data["h"].toInt(), kv = ctx->saved_data["kv"].toInt();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const int64_t B = qkv.size(0), T = qkv.size(1), W = qkv.size(2), hd = W / (h + 2 * kv);
+    if (at::GradMode::is_enabled()) {  // create_graph (a double backward): the gradient of the same attention in
+      // differentiable ops, so that its own gradient is right
+      const at::Tensor again = differentiable_attention(qkv, h, kv, scale, causal);
+      return {torch::autograd::grad({again}, {qkv}, {grads[0]}, true, true)[0], none[0], none[1], none[2], none[3]};
+    }
+    const auto [q, k, v] = heads_of(qkv, h, kv);
+    const at::Tensor go = grads[0].reshape({B, T, h, hd}).transpose(1, 2);  // (B, h, T, hd)
+    at::Tensor dqkv = at::empty({B, T, W}, qkv.options());
+    float* d = dqkv.data_ptr<float>();
+    backward_into(go, q, k, v, probs, scale, causal, {d, T * W, W}, {d + h * hd, T * W, W},
+                  {d + (h + kv) * hd, T * W, W});
+    return {dqkv, none[0], none[1], none[2], none[3]};
+  }
+
+  // softmax(QKᵀ·scale (causal: keys after the query hidden))·V in plain ATen ops, (B, T, h·hd)
+  static at::Tensor differentiable_attention(const at::Tensor& qkv, int64_t h, int64_t kv, double scale, bool causal) {
+    const auto [q, k, v] = heads_of(qkv, h, kv);
+    const int64_t B = qkv.size(0), T = qkv.size(1), hd = q.size(3);
+    at::Tensor s = at::matmul(q, k.repeat_interleave(h / kv, 1).transpose(-1, -2)) * scale;  // (B, h, T, T)
+    if (causal) s = s.masked_fill(at::ones({T, T}, qkv.options().dtype(at::kBool)).triu(1), -INFINITY);
+    return at::matmul(at::softmax(s, -1), v.repeat_interleave(h / kv, 1)).transpose(1, 2).reshape({B, T, h * hd});
+  }
+};
+
+at::Tensor packed_self_attention(const at::Tensor& qkv_, int64_t h, int64_t kv, double scale, bool causal) {
+  TORCH_CHECK(qkv_.dim() == 3 && h > 0 && kv > 0 && h % kv == 0 && qkv_.size(2) % (h + 2 * kv) == 0,
+              "attnlab::packed_self_attention: qkv (B, T, (h + 2·kv)·hd) with h a multiple of kv is expected, got ",
+              qkv_.sizes(), " for h ", h, " and kv ", kv);
+  const at::Tensor qkv = qkv_.stride(2) == 1 ? qkv_ : qkv_.contiguous();  // (each head's rows contiguous)
+  return PackedSelfAttention::apply(qkv, h, kv, scale, causal);
 }
 
 }  // namespace
@@ -407,8 +493,12 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("short_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool causal) -> (Tensor, Tensor)");
   m.def("short_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor probs, float scale, "
         "bool causal) -> (Tensor, Tensor, Tensor)");
+  m.def("packed_self_attention(Tensor qkv, int heads, int kv_heads, float scale, bool causal) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("short_attention", &short_attention);
   m.impl("short_attention_backward", &short_attention_backward);
+}
+TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {
+  m.impl("packed_self_attention", &packed_self_attention);
 }

@@ -299,6 +299,15 @@ def _kernel_serves() -> bool:
     return eager_autograd() and fused_short_attention()
 
 
+def packed_kernel_serves(qkv: torch.Tensor) -> bool:
+    """Whether a self-attention over the fused projection ``qkv`` can take ``attnlab::packed_self_attention``
+    (ShortAttention's kernel behind a C++ autograd function, ``csrc/short_attention.cpp``): fp32 on CPU, in training
+    (a gradient wanted, eager autograd, not under autocast), the kernel built here. The caller checks the rest
+    (no mask, bias, rotary positions, cache, recorded weights or dropout; at most SHORT_KEYS_KERNEL keys)."""
+    return (qkv.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.requires_grad and torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu") and _kernel_serves())
+
+
 def fused_short_attention() -> bool:
     """Whether ShortAttention's fp32 inputs take attnlab's kernel (``csrc/short_attention.cpp``): as
     ``accel.own_kernel_serves`` says (not ``ATTNLAB_OWN_KERNELS=0``, Linux, built once per process for this
@@ -557,6 +566,12 @@ class MultiHeadAttention(nn.Module):
         """(B, T, q + 2·kv dims) projections → attention output (B, T, h·hd), before out_proj."""
         B, T, _ = qkv.shape
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        if (mask is None and bias is None and rope is None and cache is None and not self.record_weights
+                and not (self.training and self.dropout) and T <= SHORT_KEYS_KERNEL and packed_kernel_serves(qkv)):
+            # fp32 training on CPU: what the split below, scaled_dot_product_attention and ShortAttention's kernel
+            # compute, in one operator whose gradient is qkv's (its C++ autograd writes dq, dk, dv into one tensor)
+            return torch.ops.attnlab.packed_self_attention(qkv, h, kv, 1.0 / math.sqrt(hd) if self.scale is None
+                                                           else self.scale, is_causal)
         q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
         q = q.view(B, T, h, hd).transpose(1, 2)  # (B, h, T, hd)
         k = k.view(B, T, kv, hd).transpose(1, 2)  # (B, kv, T, hd)
