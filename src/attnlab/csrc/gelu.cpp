@@ -13,6 +13,9 @@
 // (attnlab.accel.build_torch_ops); tests/test_pitfalls.py compares it with float64.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -54,11 +57,50 @@ std::tuple<at::Tensor, at::Tensor> gelu_and_slope(const at::Tensor& h) {
   return {out, slope};
 }
 
+// GELU(h) with its autograd here: the forward keeps the slope, the backward is dA · slope. Why C++: the same as a
+// Python autograd.Function cost ~70 µs a call of Python (forward and backward; ~0.3 ms of nanoGPT's ~28 ms CPU
+// update, docs/results.md, thirty-second #13 session). h is not kept, so there is no second derivative: under
+// create_graph the gradient comes out behind a node that refuses to be differentiated, as Python's
+// @once_differentiable does it.
+struct GeluWithSlope : public torch::autograd::Function<GeluWithSlope> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h) {
+    static const auto op = c10::Dispatcher::singleton()  // (through the dispatcher: fake tensors take its shapes)
+                               .findSchemaOrThrow("attnlab::gelu_and_slope", "")
+                               .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&)>();
+    auto [out, slope] = op.call(h);
+    ctx->save_for_backward({slope});
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor slope = ctx->get_saved_variables()[0];
+    if (!grads[0].defined()) return {at::Tensor()};
+    at::Tensor dh;
+    {
+      at::NoGradGuard no_grad;
+      dh = grads[0] * slope;
+    }
+    if (at::GradMode::is_enabled() && grads[0].requires_grad()) {  // (create_graph)
+      auto refuse = std::make_shared<torch::autograd::DelayedError>(
+          "attnlab::gelu_training has no second derivative (its input is not kept)", 1);
+      dh = refuse->apply({dh.detach().requires_grad_(true)})[0];
+    }
+    return {dh};
+  }
+};
+
+at::Tensor gelu_training(const at::Tensor& h) { return GeluWithSlope::apply(h); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("gelu_and_slope(Tensor h) -> (Tensor, Tensor)");
+  m.def("gelu_training(Tensor h) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("gelu_and_slope", &gelu_and_slope);
+}
+TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {
+  m.impl("gelu_training", &gelu_training);
 }

@@ -20,6 +20,7 @@
 // by torch.utils.cpp_extension (attnlab.accel.build_torch_ops); tests/test_pitfalls.py compares it with float64.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -433,20 +434,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> heads_of(const at::Tensor& qkv, i
           qkv.narrow(2, (h + kv) * hd, kv * hd).view({B, T, kv, hd}).transpose(1, 2)};
 }
 
+// qkv's gradient (B, T, (h + 2·kv)·hd) from the output's (B, T, h·hd): dq, dk, dv written into their column blocks
+at::Tensor packed_attention_backward(const at::Tensor& grad, const at::Tensor& qkv, const at::Tensor& probs,
+                                     int64_t h, int64_t kv, double scale, bool causal) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), W = qkv.size(2), hd = W / (h + 2 * kv);
+  const auto [q, k, v] = heads_of(qkv, h, kv);
+  const at::Tensor go = grad.reshape({B, T, h, hd}).transpose(1, 2);  // (B, h, T, hd)
+  at::Tensor dqkv = at::empty({B, T, W}, qkv.options());
+  float* d = dqkv.data_ptr<float>();
+  backward_into(go, q, k, v, probs, scale, causal, {d, T * W, W}, {d + h * hd, T * W, W},
+                {d + (h + kv) * hd, T * W, W});
+  return dqkv;
+}
+
+// The autograd function calls the two kernels through the dispatcher, so that fake tensors (tracing) take their
+// shape functions (attnlab.model.attention registers them)
 struct PackedSelfAttention : public torch::autograd::Function<PackedSelfAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& qkv, int64_t h, int64_t kv, double scale,
                             bool causal) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("attnlab::short_attention", "")
+                               .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                          const at::Tensor&,
+                                                                          const std::optional<at::Tensor>&, double, bool)>();
     const auto [q, k, v] = heads_of(qkv, h, kv);
-    const auto [out, probs] = short_attention(q, k, v, c10::nullopt, scale, causal);
+    const auto [out, probs] = op.call(q, k, v, std::nullopt, scale, causal);
     ctx->save_for_backward({qkv, probs});
     ctx->saved_data["h"] = h;
     ctx->saved_data["kv"] = kv;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
-    return out.transpose(1, 2).view({qkv.size(0), qkv.size(1), h * q.size(3)});  // (B, T, h·hd): its memory's layout
+    return out.transpose(1, 2).reshape({qkv.size(0), qkv.size(1), h * q.size(3)});  // (B, T, h·hd): a view here
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("attnlab::packed_attention_backward", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                 int64_t, double, bool)>();
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &qkv = saved[0], &probs = saved[1];
     const variable_list none = {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -454,19 +479,12 @@ struct PackedSelfAttention : public torch::autograd::Function<PackedSelfAttentio
     const int64_t h = ctx->saved_data["h"].toInt(), kv = ctx->saved_data["kv"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
     const bool causal = ctx->saved_data["causal"].toBool();
-    const int64_t B = qkv.size(0), T = qkv.size(1), W = qkv.size(2), hd = W / (h + 2 * kv);
     if (at::GradMode::is_enabled()) {  // create_graph (a double backward): the gradient of the same attention in
       // differentiable ops, so that its own gradient is right
       const at::Tensor again = differentiable_attention(qkv, h, kv, scale, causal);
       return {torch::autograd::grad({again}, {qkv}, {grads[0]}, true, true)[0], none[0], none[1], none[2], none[3]};
     }
-    const auto [q, k, v] = heads_of(qkv, h, kv);
-    const at::Tensor go = grads[0].reshape({B, T, h, hd}).transpose(1, 2);  // (B, h, T, hd)
-    at::Tensor dqkv = at::empty({B, T, W}, qkv.options());
-    float* d = dqkv.data_ptr<float>();
-    backward_into(go, q, k, v, probs, scale, causal, {d, T * W, W}, {d + h * hd, T * W, W},
-                  {d + (h + kv) * hd, T * W, W});
-    return {dqkv, none[0], none[1], none[2], none[3]};
+    return {op.call(grads[0], qkv, probs, h, kv, scale, causal), none[0], none[1], none[2], none[3]};
   }
 
   // softmax(QKᵀ·scale (causal: keys after the query hidden))·V in plain ATen ops, (B, T, h·hd)
@@ -494,10 +512,13 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("short_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor probs, float scale, "
         "bool causal) -> (Tensor, Tensor, Tensor)");
   m.def("packed_self_attention(Tensor qkv, int heads, int kv_heads, float scale, bool causal) -> Tensor");
+  m.def("packed_attention_backward(Tensor grad, Tensor qkv, Tensor probs, int heads, int kv_heads, float scale, "
+        "bool causal) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("short_attention", &short_attention);
   m.impl("short_attention_backward", &short_attention_backward);
+  m.impl("packed_attention_backward", &packed_attention_backward);
 }
 TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {
   m.impl("packed_self_attention", &packed_self_attention);

@@ -355,12 +355,16 @@ def _build_short_attention() -> bool:
         return (q.new_empty(B, q.shape[2], q.shape[1], hd).transpose(1, 2),
                 *(k.new_empty(B, Tk, kv, hd).transpose(1, 2) for _ in range(2)))
 
+    def packed_attention_backward(grad, qkv, probs, heads, kv_heads, scale, causal):
+        return qkv.new_empty(qkv.shape)
+
     from .. import accel
     from .layers import _own_kernel
     suffix, cflags = accel.own_kernel_target(fma=True)
     return _own_kernel("attention kernel", "ShortAttention's torch path", "attnlab_short_attention" + suffix,
                        "short_attention.cpp", cflags, {"short_attention": short_attention,
-                                                       "short_attention_backward": short_attention_backward}, check)
+                                                       "short_attention_backward": short_attention_backward,
+                                                       "packed_attention_backward": packed_attention_backward}, check)
 
 
 def _heads_last(t: torch.Tensor, shape, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:

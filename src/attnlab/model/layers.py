@@ -209,24 +209,8 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     if (x.dtype == torch.float32 and x.device.type == "cpu" and x.requires_grad and torch.is_grad_enabled()
             and x.is_contiguous()  # (a view, such as a GLU's gate, would cost a copy and a slope kept beside it)
             and accel.eager_autograd() and fused_gelu()):
-        return _GeluWithSlope.apply(x)
+        return torch.ops.attnlab.gelu_training(x)  # (its autograd in C++: the slope kept, the backward one multiply)
     return F.gelu(x)
-
-
-class _GeluWithSlope(torch.autograd.Function):
-    """``attnlab::gelu_and_slope``: the forward keeps GELU'(x), the backward multiplies by it."""
-
-    @staticmethod
-    def forward(ctx, x):
-        out, slope = torch.ops.attnlab.gelu_and_slope(x)
-        ctx.save_for_backward(slope)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # (x is not kept: a second derivative is refused, not wrong)
-    def backward(ctx, grad):
-        slope, = ctx.saved_tensors
-        return grad * slope
 
 
 _GELU: dict = {}  # "ok" → whether attnlab::gelu_and_slope is built and right here (once per process)
