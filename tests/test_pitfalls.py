@@ -484,23 +484,29 @@ def test_attention_kernel_trains_the_model_as_the_torch_path_does(monkeypatch, p
     _assert_same_training(results["kernel"][:2], results["torch"][:2])
 
 
-@pytest.mark.parametrize("case", ["causal", "full", "gqa_unaligned_head", "strided_input"])
+@pytest.mark.parametrize("case", ["causal", "full", "gqa", "gqa_unaligned_head", "strided_input", "transposed_input"])
 def test_packed_self_attention_equals_the_oracle(monkeypatch, case):
     """attnlab::packed_self_attention (self-attention over the fused projection, its gradient written into one
     tensor by its C++ autograd function) against a float64 oracle: the output and qkv's gradient, causal or not,
     GQA with a head size the vectors do not divide, a projection that is a strided view; a broadcast gradient
-    (out.sum()'s); and a second derivative (create_graph takes differentiable ops)."""
+    (out.sum()'s); and a second derivative (create_graph takes differentiable ops, a hook on the input runs once)."""
     _own_kernels_on(monkeypatch)
     _attention_path(monkeypatch, "kernel")
     torch.manual_seed(0)
     B, T, h, kv, hd, causal = 3, 11, 4, 4, 16, case != "full"
+    if case == "gqa":
+        T, kv = 37, 2
     if case == "gqa_unaligned_head":
         kv, hd = 2, 20
     width = (h + 2 * kv) * hd
-    base = torch.randn(B, T, width + (5 if case == "strided_input" else 0))
-    qkv = base[..., :width].requires_grad_() if case != "strided_input" else base.requires_grad_()
-    x = qkv[..., :width] if case == "strided_input" else qkv
-    assert x.is_contiguous() == (case != "strided_input")
+    if case == "transposed_input":  # (features not contiguous: the operator takes a contiguous copy)
+        qkv = torch.randn(B, width, T).requires_grad_()
+        x = qkv.transpose(1, 2)
+    else:
+        base = torch.randn(B, T, width + (5 if case == "strided_input" else 0))
+        qkv = base[..., :width].requires_grad_() if case != "strided_input" else base.requires_grad_()
+        x = qkv[..., :width] if case == "strided_input" else qkv
+    assert x.is_contiguous() == (case not in ("strided_input", "transposed_input"))
     out = torch.ops.attnlab.packed_self_attention(x, h, kv, 0.25, causal)
     g = torch.randn(B, T, h * hd)
     (got,) = torch.autograd.grad(out, qkv, g)
@@ -511,20 +517,26 @@ def test_packed_self_attention_equals_the_oracle(monkeypatch, case):
     want = want.transpose(1, 2).reshape(B, T, h * hd)
     (want_grad,) = torch.autograd.grad(want, ref_in, g.double(), retain_graph=True)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    if case == "transposed_input":
+        got = got.transpose(1, 2)
     torch.testing.assert_close(got[..., :width].double(), want_grad, atol=1e-5, rtol=1e-5)
     if case == "strided_input":
         assert torch.equal(got[..., width:], torch.zeros_like(got[..., width:]))
-    summed = torch.autograd.grad(torch.ops.attnlab.packed_self_attention(x, h, kv, 0.25, causal).sum(), qkv)[0]
+    summed = torch.autograd.grad(torch.ops.attnlab.packed_self_attention(x, h, kv, 0.25, causal).sum(), x)[0]
     (summed_want,) = torch.autograd.grad(want.sum(), ref_in, retain_graph=True)
-    torch.testing.assert_close(summed[..., :width].double(), summed_want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(summed.double(), summed_want, atol=1e-5, rtol=1e-5)
     # a second derivative (create_graph: the backward in differentiable ops), against the oracle's
-    again = torch.ops.attnlab.packed_self_attention(x, h, kv, 0.25, causal)
-    (first,) = torch.autograd.grad(again.pow(2).sum(), qkv, create_graph=True)
-    (second,) = torch.autograd.grad(first.pow(2).sum(), qkv)
+    hooked = x * 1  # (a hook on the operator's input runs once under create_graph too)
+    calls = []
+    hooked.register_hook(lambda g: calls.append(1))
+    again = torch.ops.attnlab.packed_self_attention(hooked, h, kv, 0.25, causal)
+    (first,) = torch.autograd.grad(again.pow(2).sum(), x, create_graph=True)
+    assert len(calls) == 1
+    (second,) = torch.autograd.grad(first.pow(2).sum(), x)
     (first_want,) = torch.autograd.grad(want.pow(2).sum(), ref_in, create_graph=True)
     (second_want,) = torch.autograd.grad(first_want.pow(2).sum(), ref_in)
-    torch.testing.assert_close(first[..., :width].double(), first_want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(second[..., :width].double(), second_want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first.double(), first_want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second.double(), second_want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])

@@ -388,9 +388,9 @@ void backward_into(const at::Tensor& grad_out_, const at::Tensor& q_, const at::
         const Skip queries = causal ? QUERIES_IN_K : NONE, keys = causal ? KEYS_IN_K : NONE;
         // dV (+)= Pᵀ·dO and dK (+)= dSᵀ·Q·scale, straight into dk and dv's (B, Tk, kv, hd) memory where the head size
         // is whole vectors
-        const int64_t sdkv = pad ? HP : gk.row_stride;
-        run({Tk, HP, Tq, ph, 1, PS, gr, sg, pad ? dV.data() : dvh, sdkv, r > 0, queries, off});
-        run({Tk, HP, Tq, D.data(), 1, TP, qr, sq, pad ? dK.data() : dkh, sdkv, r > 0, queries, off});
+        const int64_t sdk = pad ? HP : gk.row_stride, sdv = pad ? HP : gv.row_stride;
+        run({Tk, HP, Tq, ph, 1, PS, gr, sg, pad ? dV.data() : dvh, sdv, r > 0, queries, off});
+        run({Tk, HP, Tq, D.data(), 1, TP, qr, sq, pad ? dK.data() : dkh, sdk, r > 0, queries, off});
         float* dqh = gq.base + b * gq.batch + head * hd;  // row i at dqh + i·row_stride
         run({Tq, HP, Tk, D.data(), TP, 1, kr, sk, pad ? dQ.data() : dqh, pad ? HP : gq.row_stride, false, keys, off});  // dQ
         if (pad)
@@ -406,8 +406,9 @@ void backward_into(const at::Tensor& grad_out_, const at::Tensor& q_, const at::
 
 // → (dq, dk, dv): (B, h, Tq, hd) in (B, Tq, h, hd) memory and (B, kv, Tk, hd) in (B, Tk, kv, hd) memory
 std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& grad_out, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const at::Tensor& probs, double scale, bool causal) {
+  const at::Tensor q = float_rows(q_, "q"), k = float_rows(k_, "k"), v = float_rows(v_, "v");
   check_shapes(q, k, v);
   const int64_t B = q.size(0), h = q.size(1), Tq = q.size(2), hd = q.size(3), kv = k.size(1), Tk = k.size(2);
   at::Tensor dq = at::empty({B, Tq, h, hd}, q.options());
@@ -437,6 +438,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> heads_of(const at::Tensor& qkv, i
 // qkv's gradient (B, T, (h + 2·kv)·hd) from the output's (B, T, h·hd): dq, dk, dv written into their column blocks
 at::Tensor packed_attention_backward(const at::Tensor& grad, const at::Tensor& qkv, const at::Tensor& probs,
                                      int64_t h, int64_t kv, double scale, bool causal) {
+  TORCH_CHECK(qkv.dim() == 3 && h > 0 && kv > 0 && h % kv == 0 && qkv.size(2) % (h + 2 * kv) == 0 &&
+                  grad.dim() == 3 && grad.size(0) == qkv.size(0) && grad.size(1) == qkv.size(1) &&
+                  grad.size(2) == h * (qkv.size(2) / (h + 2 * kv)),
+              "attnlab::packed_attention_backward: qkv (B, T, (h + 2·kv)·hd) and grad (B, T, h·hd) are expected, got ",
+              qkv.sizes(), " and ", grad.sizes(), " for h ", h, " and kv ", kv);
   const int64_t B = qkv.size(0), T = qkv.size(1), W = qkv.size(2), hd = W / (h + 2 * kv);
   const auto [q, k, v] = heads_of(qkv, h, kv);
   const at::Tensor go = grad.reshape({B, T, h, hd}).transpose(1, 2);  // (B, h, T, hd)
@@ -480,9 +486,11 @@ struct PackedSelfAttention : public torch::autograd::Function<PackedSelfAttentio
     const double scale = ctx->saved_data["scale"].toDouble();
     const bool causal = ctx->saved_data["causal"].toBool();
     if (at::GradMode::is_enabled()) {  // create_graph (a double backward): the gradient of the same attention in
-      // differentiable ops, so that its own gradient is right
-      const at::Tensor again = differentiable_attention(qkv, h, kv, scale, causal);
-      return {torch::autograd::grad({again}, {qkv}, {grads[0]}, true, true)[0], none[0], none[1], none[2], none[3]};
+      // differentiable ops, so that its own gradient is right; taken at an alias of qkv, so that qkv's own hooks run
+      // once, when the outer backward reaches it
+      const at::Tensor alias = qkv.view_as(qkv);
+      const at::Tensor again = differentiable_attention(alias, h, kv, scale, causal);
+      return {torch::autograd::grad({again}, {alias}, {grads[0]}, true, true)[0], none[0], none[1], none[2], none[3]};
     }
     return {op.call(grads[0], qkv, probs, h, kv, scale, causal), none[0], none[1], none[2], none[3]};
   }
