@@ -304,8 +304,8 @@ def packed_kernel_serves(qkv: torch.Tensor) -> bool:
     (ShortAttention's kernel behind a C++ autograd function, ``csrc/short_attention.cpp``): fp32 on CPU, in training
     (a gradient wanted, eager autograd, not under autocast), the kernel built here. The caller checks the rest
     (no mask, bias, rotary positions, cache, recorded weights or dropout; at most SHORT_KEYS_KERNEL keys)."""
-    return (qkv.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.requires_grad and torch.is_grad_enabled()
-            and not torch.is_autocast_enabled("cpu") and _kernel_serves())
+    return (qkv.device.type == "cpu" and qkv.requires_grad and torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu") and ShortAttention.kernel_serves(qkv, qkv, qkv))
 
 
 def fused_short_attention() -> bool:
