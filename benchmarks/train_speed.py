@@ -35,7 +35,8 @@ step: nanoGPT's own ``train.py`` with its README's CPU configuration (4 layers, 
 (``--preset shakespeare-char``), fp32 and (native-bf16 CPUs) bf16. Each side is a fresh process
 that times every iteration the way nanoGPT's loop does (batch, forward, backward, clip, AdamW);
 the ms/iter reported is the median after 10 warm-up iterations, the sides taking turns for
-``--rounds`` rounds so drift reaches all of them. With ``--compile`` both tools also run their
+``--rounds`` rounds so drift reaches all of them (``..._by_round``: the ratio of each round's processes, how far the
+machine's speed moved between rounds). With ``--compile`` both tools also run their
 ``torch.compile`` of the step (nanoGPT's ``--compile=True``, ``attnlab train --compile``), each set against
 nanoGPT's README run and the compiled attnlab sides also against nanoGPT compiled.
 
@@ -44,6 +45,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
     python benchmarks/train_speed.py --linear-kernel [--shapes small,large] [--steps 3] [--rounds 8]  # C++ linear, dW
     python benchmarks/train_speed.py --gelu [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]  # GELU kernel vs F.gelu
     python benchmarks/train_speed.py --attention-kernel [--shapes small,large] [--steps 3] [--rounds 8] [--as-avx2]
+    python benchmarks/train_speed.py --packed-attention [--shapes small,large] [--steps 3] [--rounds 8]  # packed vs split
     python benchmarks/train_speed.py --ablate [--shapes small,large] [--steps 3] [--rounds 10]  # each part's cost in the update
     python benchmarks/train_speed.py --as-avx2 [--steps 5] [--rounds 3] [--nanogpt ~/nanoGPT]  # an AVX2-only CPU's stand-in
     PYTHONPATH=src python3 benchmarks/train_speed.py --device cuda --dtype bf16 --steps 20 --rounds 3 --profile  # a GPU
@@ -403,7 +405,7 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
     sides = sides_in_turns("shape_side", keys, lambda key: (name, key, bf16, args.device), args, args.steps,
                            before_round=lambda: peaks.append(matmul_peak(dtype, args.peak_size, args.device)))
     peak = max(peaks)
-    out, t = {"matmul_peak_GFLOPs": round(peak / 1e9, 1),
+    out, t = {"matmul_peak_GFLOPs": round(peak / 1e9, 1), "matmul_peak_FLOPs": peak,
               "matmul_peaks_GFLOPs_measured": [round(p / 1e9, 1) for p in peaks]}, {}
     # t: each side's median seconds per step, unrounded (a GPU's step takes milliseconds)
     for key in keys:
@@ -758,6 +760,40 @@ def attention_kernel_table(args) -> dict:
     return own_kernel_table(args, "attention kernel", attention._SHORT, attention.fused_short_attention, "torch_ops")
 
 
+def packed_attention_table(args) -> dict:
+    """attnlab's fp32 steps on ``--shapes`` and, where ``--data`` has Tiny Shakespeare, the trainer's update of
+    nanoGPT's model, with self-attention on the packed operator (``attnlab::packed_self_attention``: the fused
+    projection in, the merged heads out, its autograd in C++ writing dq, dk and dv into one gradient) and on the split
+    path (q, k and v split out of the projection, ShortAttention's kernel, their gradients concatenated), in turns.
+    Both paths run the same attention kernels (``csrc/short_attention.cpp``); the table prices the wrapper."""
+    with mock.patch.dict(os.environ, {"ATTNLAB_OWN_KERNELS": "1"}):
+        if not attention.fused_short_attention():
+            return {"skipped": "attnlab's attention kernel does not build here (no C++ compiler or ninja, or not Linux)"}
+    serves, asked = attention.packed_kernel_serves, [0, 0]  # (self-attentions asked, of them served: the packed path's)
+
+    def counted(qkv):
+        ok = serves(qkv)
+        asked[0], asked[1] = asked[0] + 1, asked[1] + ok
+        return ok
+
+    @contextlib.contextmanager
+    def path(packed: bool):
+        with mock.patch.dict(os.environ, {"ATTNLAB_OWN_KERNELS": "1"}), \
+                mock.patch.object(attention, "packed_kernel_serves", counted if packed else (lambda qkv: False)):
+            yield
+
+    paths = {"packed_ms": lambda: path(True), "split_ms": lambda: path(False)}
+
+    def row(step, n) -> dict:
+        asked[:] = [0, 0]
+        r = in_turns(step, n, args.rounds, paths)
+        # packed_share: of the self-attentions that asked on the packed path, those it served (0: nothing compared)
+        return {**r, "split_over_packed": round(r["split_ms"] / r["packed_ms"], 3),
+                "packed_share": round(asked[1] / max(asked[0], 1), 3)}
+
+    return fp32_step_rows(args, row)
+
+
 def linear_kernel_table(args) -> dict:
     """attnlab's fp32 steps on ``--shapes`` and, where ``--data`` has Tiny Shakespeare, the trainer's update of
     nanoGPT's model, with the oneDNN training linear as it ships (attnlab's kernel, ``csrc/linear.cpp``: its autograd
@@ -1006,6 +1042,7 @@ def nanogpt_step(args) -> dict:
     if args.compile:  # both tools' torch.compile: nanoGPT's --compile=True, attnlab's --compile
         sides += ["nanogpt_compiled", *(f"{side}_compiled" for side in attnlab_sides)]
     samples = {side: [] for side in sides}
+    round_medians = {side: [] for side in sides}  # each process's median: a round's sides ran minutes apart at most
     profiles = {}  # --profile: attnlab's eager sides, one profile per round
     for _ in range(args.rounds):
         for side in sides:
@@ -1033,6 +1070,7 @@ def nanogpt_step(args) -> dict:
             if len(ms) < iters:
                 raise SystemExit(f"{side}: {len(ms)} iterations timed, {iters} expected")
             samples[side].extend(ms[WARMUP_ITERS:])  # iteration 0 of nanoGPT includes its one evaluation
+            round_medians[side].append(statistics.median(ms[WARMUP_ITERS:]))
     out = {"config": "nanoGPT README CPU run: 4 layers, 4 heads, d 128, block 64, batch 12, dropout 0",
            "iterations_timed_per_side": len(samples["nanogpt"])}
     for side in sides:
@@ -1045,6 +1083,10 @@ def nanogpt_step(args) -> dict:
             peers = ["nanogpt"] + (["nanogpt_compiled"] if side.endswith("compiled") else [])
             for peer in peers:
                 out[f"{side}_over_{peer}"] = round(out[side]["ms_per_iter_median"] / out[peer]["ms_per_iter_median"], 3)
+                # the same ratio round by round (each side's process against the peer's of the same round): how far
+                # the machine's speed moved between rounds; the headline above pools every round's iterations
+                out[f"{side}_over_{peer}_by_round"] = [round(a / b, 3) for a, b in zip(round_medians[side],
+                                                                                       round_medians[peer])]
     for side, rounds in profiles.items():
         # the round with the median products time; the lowest ratio attnlab could reach were everything but its
         # matrix products free
@@ -1056,11 +1098,13 @@ def nanogpt_step(args) -> dict:
 
 # The CPU tables behind their --flags (the argparse names), run in this order after the step tables
 TABLES = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
-          "gemm": gemm_table, "linear_kernel": linear_kernel_table, "attention_products": attention_products_table,
+          "packed_attention": packed_attention_table, "gemm": gemm_table, "linear_kernel": linear_kernel_table,
+          "attention_products": attention_products_table,
           "attention": attention_table, "ablate": ablation_table, "attention_keys": attention_keys_table,
           "loss_paths": loss_paths_table}
 # ... those of them that time their own steps of --shapes, in place of the step tables
-OWN_STEPS = ("dropout", "gelu", "attention_kernel", "gemm", "linear_kernel", "attention_products", "ablate")
+OWN_STEPS = ("dropout", "gelu", "attention_kernel", "packed_attention", "gemm", "linear_kernel", "attention_products",
+             "ablate")
 
 
 def main():
@@ -1092,6 +1136,9 @@ def main():
     ap.add_argument("--attention-kernel", action="store_true",
                     help="time attnlab's fp32 steps of --shapes and nanoGPT's update with attnlab's attention kernel "
                          "against ShortAttention's torch ops, in turns")
+    ap.add_argument("--packed-attention", action="store_true",
+                    help="time attnlab's fp32 steps of --shapes and nanoGPT's update with self-attention on the packed "
+                         "operator against the split path (the same kernels), in turns")
     ap.add_argument("--gemm", action="store_true",
                     help="time attnlab's fp32 steps of --shapes on oneDNN's GEMM against MKL's, in turns")
     ap.add_argument("--linear-kernel", action="store_true",
@@ -1166,7 +1213,7 @@ def main():
         for name in shapes:
             key = f"{name}_{'bf16' if bf16 else 'fp32'}"
             results[key] = run_shape(name, SHAPES[name], args, bf16, peak)
-            peak = max(peak, results[key]["matmul_peak_GFLOPs"] * 1e9)  # (the next shape's MFUs: the highest so far)
+            peak = max(peak, results[key].pop("matmul_peak_FLOPs"))  # (the next shape's MFUs: the highest so far)
             print(key, json.dumps(results[key]), flush=True)
         results[f"matmul_peak_GFLOPs_{'bf16' if bf16 else 'fp32'}"] = round(peak / 1e9, 1)
     for bf16 in dtypes if args.corpus else []:

@@ -215,17 +215,28 @@ def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
     """train_speed.py --gelu / --attention-kernel / --linear-kernel: attnlab's GELU, attention or linear kernel
     against F.gelu, ShortAttention's torch ops or the Python OneDNNLinear in turns, on a whole (tiny) Marian step and
     on the trainer's update of nanoGPT's model (a small text given as --data), and their ratio (--linear-kernel: also
-    the kernel with MKL's weight gradient, or why it was skipped, where the products take MKL anyway)."""
+    the kernel with MKL's weight gradient, or why it was skipped, where the products take MKL anyway). The attention
+    kernel's run also gives --packed-attention (one process for both): self-attention on the packed operator against
+    the split path; every self-attention the packed path saw took the packed operator (neither step has a mask or
+    attention dropout), so the two paths compared differ."""
     import platform
     if platform.system() != "Linux" or not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), flag, "--shapes", "tiny",
+    also = ["--packed-attention"] if flag == "--attention-kernel" else []
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), flag, *also, "--shapes", "tiny",
                           "--steps", "1", "--rounds", "2", "--threads", "1", "--data", str(tmp_path / "data"),
                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    table = json.loads(res.stdout.strip().splitlines()[-1])[flag[2:].replace("-", "_")]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    table = results[flag[2:].replace("-", "_")]
+    if also:
+        packed = results["packed_attention"]
+        assert set(packed) == {"step tiny fp32", "nanogpt update fp32"}
+        for row in packed.values():
+            assert row["packed_ms"] > 0 and row["split_ms"] > 0 and row["packed_share"] == 1.0
+            assert row["split_over_packed"] == round(row["split_ms"] / row["packed_ms"], 3)
     if flag == "--linear-kernel" and not _onednn_training_products():
         assert "no AVX-512" in table["skipped"]
         return
@@ -385,6 +396,8 @@ def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
     assert r["nanogpt"]["ms_per_iter_median"] == 60.5 and r["iterations_timed_per_side"] == 2
     assert r["attnlab_fp32"]["ms_per_iter_median"] > 0
     assert r["attnlab_fp32_over_nanogpt"] == round(r["attnlab_fp32"]["ms_per_iter_median"] / 60.5, 3)
+    # one round: its ratio is the pooled one
+    assert r["attnlab_fp32_over_nanogpt_by_round"] == [r["attnlab_fp32_over_nanogpt"]]
 
 
 @pytest.mark.parametrize("quantize", [[], ["--quantize", "int8"]], ids=["fp32", "int8"])
