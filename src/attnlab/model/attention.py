@@ -320,27 +320,41 @@ def _build_short_attention() -> bool:
     def check():
         # against float64 written out (no autograd: the first call may come from inside a forward under
         # saved-tensor hooks or no_grad): GQA, a head size that is not a multiple of the vector, a padding bias,
-        # the causal skipping with fewer queries than keys, a query that sees no key (0 out)
+        # the causal skipping with fewer queries than keys, a query that sees no key (0 out); and the packed
+        # operator's backward (dq, dk, dv written into one gradient of the fused projection)
         g = torch.Generator().manual_seed(0)
+
+        def want(q, k, v, gout, b, causal):  # (out, dq, dk, dv) in float64, 2 query heads per key/value head
+            q64, k64, v64, g64 = (t.double() for t in (q, k, v, gout))
+            k64, v64 = k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1)  # (B, h, Tk, hd)
+            s = q64 @ k64.transpose(-1, -2) * 0.5 + (0 if b is None else b.double())
+            if causal:
+                s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], "cpu"), float("-inf"))
+            p = s.softmax(-1)
+            dp = g64 @ v64.transpose(-1, -2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * 0.5
+            return (p @ v64, ds @ k64, (ds.transpose(-1, -2) @ q64).unflatten(1, (-1, 2)).sum(2),
+                    (p.transpose(-1, -2) @ g64).unflatten(1, (-1, 2)).sum(2))
+
+        def close(got, wanted):
+            return all(torch.allclose(a.double(), w, rtol=1e-4, atol=1e-5) for a, w in zip(got, wanted))
+
         q, gout = (torch.randn(2, 4, 5, 20, generator=g, dtype=torch.float32, device="cpu") for _ in range(2))
         k, v = (torch.randn(2, 2, 7, 20, generator=g, dtype=torch.float32, device="cpu") for _ in range(2))
         bias = torch.zeros(2, 1, 1, 7, dtype=torch.float32, device="cpu")
         bias[1, ..., -2:] = float("-inf")
         ok = True
         for causal, b in ((False, bias), (True, None)):
-            q64, k64, v64, g64 = (t.double() for t in (q, k, v, gout))
-            k64, v64 = k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1)  # (B, h, Tk, hd)
-            s = q64 @ k64.transpose(-1, -2) * 0.5 + (0 if b is None else b.double())
-            if causal:
-                s = s.masked_fill(~causal_mask(5, 7, "cpu"), float("-inf"))
-            p = s.softmax(-1)
-            dp = g64 @ v64.transpose(-1, -2)
-            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * 0.5
-            want = (p @ v64, ds @ k64, (ds.transpose(-1, -2) @ q64).unflatten(1, (2, 2)).sum(2),
-                    (p.transpose(-1, -2) @ g64).unflatten(1, (2, 2)).sum(2))
             out, probs = torch.ops.attnlab.short_attention(q, k, v, b, 0.5, causal)
             got = (out, *torch.ops.attnlab.short_attention_backward(gout, q, k, v, probs, 0.5, causal))
-            ok = ok and all(torch.allclose(a.double(), w, rtol=1e-4, atol=1e-5) for a, w in zip(got, want))
+            ok = ok and close(got, want(q, k, v, gout, b, causal))
+        qkv = torch.randn(2, 7, 160, generator=g, dtype=torch.float32, device="cpu")  # 4 query heads, 2 kv, 20 dims
+        gout = torch.randn(2, 7, 80, generator=g, dtype=torch.float32, device="cpu")  # (B, T, h·hd)
+        heads = [t.unflatten(2, (-1, 20)).transpose(1, 2) for t in qkv.split([80, 40, 40], 2)]  # (B, heads, T, hd)
+        out, probs = torch.ops.attnlab.short_attention(*heads, None, 0.5, True)
+        dqkv = torch.ops.attnlab.packed_attention_backward(gout, qkv, probs, 4, 2, 0.5, True)
+        got = [t.unflatten(2, (-1, 20)).transpose(1, 2) for t in dqkv.split([80, 40, 40], 2)]
+        ok = ok and close(got, want(*heads, gout.unflatten(2, (4, 20)).transpose(1, 2), None, True)[1:])
         one = torch.ones(1, 1, 3, 4, dtype=torch.float32, device="cpu")  # 3 queries, 2 keys: the first sees none
         out, _ = torch.ops.attnlab.short_attention(one, one[:, :, :2], one[:, :, :2], None, 1.0, True)
         return ok and bool((out[0, 0, 0] == 0).all() and (out[0, 0, 1:] == 1).all())
