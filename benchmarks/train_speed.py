@@ -51,6 +51,7 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
     PYTHONPATH=src python3 benchmarks/train_speed.py --device cuda --dtype bf16 --steps 20 --rounds 3 --profile  # a GPU
     python benchmarks/train_speed.py --attention-products [--shapes small,large] [--rounds 3]  # bf16 vs fp32 products in ShortAttention
     python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT [--nanogpt-iters 60] [--rounds 3] [--compile]
+    python benchmarks/train_speed.py --shapes none --nanogpt ~/nanoGPT --interleaved [--rounds 6]  # in one process
     python benchmarks/train_speed.py --shapes none --corpus [PAIRS.tsv] [--pairs 1024] [--rounds 3]
     python benchmarks/train_speed.py --shapes none --attention [--rounds 5]   # the fused kernel vs ShortAttention
     python benchmarks/train_speed.py --shapes none --attention-keys 128,256,512 [--rounds 6]  # the same, whole updates
@@ -1096,6 +1097,119 @@ def nanogpt_step(args) -> dict:
     return out
 
 
+class NanoGPTLoop:
+    """nanoGPT's train.py iteration, in this process: its ``model.py`` (GPT, GPTConfig) from the checkout ``ng``, built
+    and trained as ``NANOGPT_CPU_ARGS`` say (4 layers, 4 heads, d 128, block 64, batch 12, dropout 0, no bias, lr 1e-3
+    with 100 warm-up iterations and cosine decay over 2000, betas (0.9, 0.99), weight decay 0.1, clip 1.0, its own
+    ``configure_optimizers``), one ``iteration()`` being the body of train.py's loop as written there: the lr set, the
+    forward, the next batch read from the memory-mapped train.bin, backward through the (disabled, on CPU)
+    GradScaler, clipping, the step, zero_grad, and the log line's ``loss.item()`` and ``estimate_mfu``. For
+    :func:`nanogpt_interleaved`, which needs both tools in one process; the headline comparison runs train.py itself."""
+
+    def __init__(self, ng: Path):
+        import io
+        import pickle
+        import numpy as np
+        spec = importlib.util.spec_from_file_location("nanogpt_model", ng / "model.py")
+        nanogpt = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(nanogpt)
+        data_dir = ng / "data" / "shakespeare_char"
+        vocab = pickle.loads((data_dir / "meta.pkl").read_bytes())["vocab_size"]
+        self.np, self.train_bin = np, str(data_dir / "train.bin")
+        self.batch_size, self.block_size = 12, 64
+        torch.manual_seed(1337)
+        cfg = nanogpt.GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, bias=False, vocab_size=vocab, dropout=0.0)
+        with contextlib.redirect_stdout(io.StringIO()):  # (its parameter count and optimizer lines)
+            self.model = nanogpt.GPT(cfg)
+            self.optimizer = self.model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+        with mock.patch("warnings.warn"):  # (train.py's GradScaler: enabled for float16, off without CUDA)
+            self.scaler = torch.amp.GradScaler("cuda", enabled=False)
+        self.iter_num, self.local_iter_num, self.running_mfu = 0, 0, -1.0
+        self.X, self.Y = self.get_batch()
+
+    def get_batch(self):
+        np = self.np
+        data = np.memmap(self.train_bin, dtype=np.uint16, mode="r")
+        ix = torch.randint(len(data) - self.block_size, (self.batch_size,))
+        x = torch.stack([torch.from_numpy((data[i:i + self.block_size]).astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy((data[i + 1:i + 1 + self.block_size]).astype(np.int64)) for i in ix])
+        return x.to("cpu"), y.to("cpu")
+
+    @staticmethod
+    def get_lr(it, learning_rate=1e-3, warmup_iters=100, lr_decay_iters=2000, min_lr=1e-4):
+        if it < warmup_iters:
+            return learning_rate * (it + 1) / (warmup_iters + 1)
+        if it > lr_decay_iters:
+            return min_lr
+        coeff = 0.5 * (1.0 + math.cos(math.pi * (it - warmup_iters) / (lr_decay_iters - warmup_iters)))
+        return min_lr + coeff * (learning_rate - min_lr)
+
+    def iteration(self):
+        lr = self.get_lr(self.iter_num)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        logits, loss = self.model(self.X, self.Y)
+        self.X, self.Y = self.get_batch()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_loss = loss.item()
+        if self.local_iter_num >= 5:
+            mfu = self.model.estimate_mfu(self.batch_size, 0.03)
+            self.running_mfu = mfu if self.running_mfu == -1.0 else 0.9 * self.running_mfu + 0.1 * mfu
+        self.iter_num += 1
+        self.local_iter_num += 1
+
+
+def nanogpt_interleaved(args) -> dict:
+    """nanoGPT's iteration (:class:`NanoGPTLoop`, its own model and optimizer code) and attnlab's trainer update of the
+    same model (fp32; bf16 where native) in one process, in blocks of ``--block-iters`` iterations taking turns for
+    ``--rounds`` × 10 blocks (the first iteration of each block untimed). Why: this machine's speed moves by up to
+    ~40% from one second to the next (attnlab's update read 30.6-49.7 ms in 30-iteration blocks of one process), so
+    train.py's processes, run one after the other, read ratios from 0.61 to 0.91 round by round; blocks ~0.2 s long
+    taken in turns see the same machine. ``paired_over_nanogpt``: the median of each block's ratio to nanoGPT's
+    block before it. Both sides share this process's heap (attnlab's, freed memory kept: ``--heap kept``'s setting)."""
+    ng = Path(args.nanogpt).resolve()
+    if not (ng / "model.py").exists():
+        raise SystemExit(f"--nanogpt {ng}: no model.py there (a checkout of karpathy/nanoGPT is expected)")
+    work = shakespeare_text(args)
+    if work is None:
+        raise SystemExit(f"--data {args.data}: no input.txt(.gz) of Tiny Shakespeare there")
+    data_dir = ng / "data" / "shakespeare_char"
+    shutil.copy(work / "input.txt", data_dir / "input.txt")  # prepare.py downloads only if absent
+    subprocess.run([sys.executable, "prepare.py"], cwd=data_dir, check=True, capture_output=True)
+    sides = {"nanogpt": NanoGPTLoop(ng).iteration}
+    for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
+        trainer = lm_trainer(str(work / "input.txt"), str(work / f"interleaved_{'bf16' if bf16 else 'fp32'}"), 10 ** 6,
+                             bf16, args.threads, False)
+        sides[f"attnlab_{'bf16' if bf16 else 'fp32'}"] = lambda trainer=trainer: trainer._update(1e-3)
+    for run in sides.values():  # (warm-up, as the headline's first 10 iterations)
+        for _ in range(WARMUP_ITERS):
+            run()
+    times = {key: [] for key in sides}  # per block: the median ms of its timed iterations
+    n = max(2, args.block_iters)
+    for _ in range(args.rounds * 10):
+        for key, run in sides.items():
+            run()
+            ms = []
+            for _ in range(n - 1):
+                t0 = time.perf_counter()
+                run()
+                ms.append((time.perf_counter() - t0) * 1e3)
+            times[key].append(statistics.median(ms))
+    out = {"config": "nanoGPT README CPU run: 4 layers, 4 heads, d 128, block 64, batch 12, dropout 0",
+           "blocks_per_side": len(times["nanogpt"]), "iterations_per_block": n}
+    for key, blocks in times.items():
+        out[key] = {"ms_per_iter_median": round(statistics.median(blocks), 2)}
+    for key in [k for k in sides if k != "nanogpt"]:
+        out[f"{key}_over_nanogpt"] = round(out[key]["ms_per_iter_median"] / out["nanogpt"]["ms_per_iter_median"], 3)
+        out[f"{key}_paired_over_nanogpt"] = round(statistics.median(a / b for a, b in zip(times[key], times["nanogpt"])), 3)
+    return out
+
+
 # The CPU tables behind their --flags (the argparse names), run in this order after the step tables
 TABLES = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
           "packed_attention": packed_attention_table, "gemm": gemm_table, "linear_kernel": linear_kernel_table,
@@ -1121,6 +1235,10 @@ def main():
                          "smaller: a quicker, lower peak)")
     ap.add_argument("--nanogpt", default=None, help="a local checkout of karpathy/nanoGPT: also time its Shakespeare step")
     ap.add_argument("--nanogpt-iters", type=int, default=60, help="iterations per process (the first 10 are not timed)")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="--nanogpt: nanoGPT's iteration (its model.py and optimizer, train.py's loop body) and attnlab's "
+                         "update in one process, in blocks taking turns (in place of train.py's own processes)")
+    ap.add_argument("--block-iters", type=int, default=6, help="--interleaved: iterations per block (the first untimed)")
     ap.add_argument("--attention", action="store_true",
                     help="also time one attention's forward + backward, PyTorch's fused kernel against ShortAttention")
     ap.add_argument("--attention-shapes", default=None, help="--attention: comma-separated names (default: all)")
@@ -1224,9 +1342,12 @@ def main():
         if getattr(args, name):
             results[name] = table(args)
             print(name, json.dumps(results[name]), flush=True)
-    if args.nanogpt:
+    if args.nanogpt and not args.interleaved:
         results["nanogpt_shakespeare"] = nanogpt_step(args)
         print("nanogpt_shakespeare", json.dumps(results["nanogpt_shakespeare"]), flush=True)
+    if args.nanogpt and args.interleaved:
+        results["nanogpt_interleaved"] = nanogpt_interleaved(args)
+        print("nanogpt_interleaved", json.dumps(results["nanogpt_interleaved"]), flush=True)
     print(json.dumps(results))
 
 

@@ -400,6 +400,73 @@ def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
     assert r["attnlab_fp32_over_nanogpt_by_round"] == [r["attnlab_fp32_over_nanogpt"]]
 
 
+_STAND_IN_MODEL = """
+import torch
+from dataclasses import dataclass
+from torch import nn
+from torch.nn import functional as F
+
+@dataclass
+class GPTConfig:
+    block_size: int = 64
+    vocab_size: int = 65
+    n_layer: int = 1
+    n_head: int = 1
+    n_embd: int = 8
+    dropout: float = 0.0
+    bias: bool = False
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(config.vocab_size, 16), nn.Linear(16, config.vocab_size)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.emb(idx))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        print("using fused AdamW: False")
+        return torch.optim.AdamW(self.parameters(), lr=learning_rate, betas=betas)
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt):
+        return 0.0
+"""
+
+_STAND_IN_PREPARE = """
+import numpy as np, pickle
+text = open("input.txt").read()
+chars = sorted(set(text))
+ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+ids.tofile("train.bin")
+pickle.dump({"vocab_size": len(chars)}, open("meta.pkl", "wb"))
+"""
+
+
+def test_train_speed_nanogpt_interleaved_runs(tmp_path):
+    """train_speed.py --nanogpt --interleaved: nanoGPT's loop body on its model.py (a stand-in checkout whose
+    prepare.py writes train.bin and meta.pkl as nanoGPT's does) and attnlab's trainer update in one process, in blocks
+    taking turns; each side's median and the ratios, over the blocks and paired block by block."""
+    ng = tmp_path / "nanoGPT"
+    (ng / "data" / "shakespeare_char").mkdir(parents=True)
+    (ng / "data" / "shakespeare_char" / "prepare.py").write_text(_STAND_IN_PREPARE)
+    (ng / "model.py").write_text(_STAND_IN_MODEL)
+    data = tmp_path / "tinyshakespeare"
+    data.mkdir()
+    (data / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 200)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--nanogpt",
+                          str(ng), "--interleaved", "--rounds", "1", "--block-iters", "2", "--data", str(data),
+                          "--workdir", str(tmp_path / "work"), "--threads", "1"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])["nanogpt_interleaved"]
+    assert r["blocks_per_side"] == 10 and r["iterations_per_block"] == 2
+    assert r["nanogpt"]["ms_per_iter_median"] > 0 and r["attnlab_fp32"]["ms_per_iter_median"] > 0
+    assert r["attnlab_fp32_over_nanogpt"] == round(r["attnlab_fp32"]["ms_per_iter_median"]
+                                                   / r["nanogpt"]["ms_per_iter_median"], 3)
+    assert r["attnlab_fp32_paired_over_nanogpt"] > 0
+
+
 @pytest.mark.parametrize("quantize", [[], ["--quantize", "int8"]], ids=["fp32", "int8"])
 def test_serve_engine_runs_a_few_steps(quantize):
     """benchmarks/serve_engine.py: SmolLM2's decoding step timed and its engine fed by 2 callers (budgets 3, 2 in turn)."""
