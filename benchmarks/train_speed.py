@@ -63,9 +63,11 @@ import argparse
 import contextlib
 import gzip
 import importlib.util
+import io
 import json
 import math
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -77,6 +79,7 @@ import types
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -788,7 +791,9 @@ def packed_attention_table(args) -> dict:
     def row(step, n) -> dict:
         asked[:] = [0, 0]
         r = in_turns(step, n, args.rounds, paths)
-        # packed_share: of the self-attentions that asked on the packed path, those it served (0: nothing compared)
+        # packed_share: of the self-attentions that asked packed_kernel_serves on the packed path (those with no mask,
+        # bias, rotary positions, cache, recorded weights or dropout, over at most SHORT_KEYS_KERNEL keys: the rest
+        # take the split path on both), the share it served (0: the two paths were the same)
         return {**r, "split_over_packed": round(r["split_ms"] / r["packed_ms"], 3),
                 "packed_share": round(asked[1] / max(asked[0], 1), 3)}
 
@@ -1100,35 +1105,33 @@ def nanogpt_step(args) -> dict:
 class NanoGPTLoop:
     """nanoGPT's train.py iteration, in this process: its ``model.py`` (GPT, GPTConfig) from the checkout ``ng``, built
     and trained as ``NANOGPT_CPU_ARGS`` say (4 layers, 4 heads, d 128, block 64, batch 12, dropout 0, no bias, lr 1e-3
-    with 100 warm-up iterations and cosine decay over 2000, betas (0.9, 0.99), weight decay 0.1, clip 1.0, its own
-    ``configure_optimizers``), one ``iteration()`` being the body of train.py's loop as written there: the lr set, the
-    forward, the next batch read from the memory-mapped train.bin, backward through the (disabled, on CPU)
-    GradScaler, clipping, the step, zero_grad, and the log line's ``loss.item()`` and ``estimate_mfu``. For
-    :func:`nanogpt_interleaved`, which needs both tools in one process; the headline comparison runs train.py itself."""
+    with 100 warm-up iterations and cosine decay over 2000, betas (0.9, 0.99), weight decay 0.1, clip 1.0, one
+    micro-batch, its own ``configure_optimizers``; the recipe written here, not read from the checkout's config).
+    ``iteration()`` is the body of train.py's loop, in its order: the lr set, the forward, the loss divided by the
+    micro-batches, the next batch read from the memory-mapped train.bin, backward through the GradScaler (disabled
+    on CPU), clipping, the step, zero_grad, and the log line (``loss.item()``, ``estimate_mfu``, the line printed, here
+    to /dev/null). For :func:`nanogpt_interleaved`, which needs both tools in one process; the headline comparison
+    runs train.py itself."""
 
     def __init__(self, ng: Path):
-        import io
-        import pickle
-        import numpy as np
         spec = importlib.util.spec_from_file_location("nanogpt_model", ng / "model.py")
         nanogpt = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(nanogpt)
         data_dir = ng / "data" / "shakespeare_char"
         vocab = pickle.loads((data_dir / "meta.pkl").read_bytes())["vocab_size"]
-        self.np, self.train_bin = np, str(data_dir / "train.bin")
-        self.batch_size, self.block_size = 12, 64
+        self.train_bin, self.batch_size, self.block_size, self.micro_batches = str(data_dir / "train.bin"), 12, 64, 1
         torch.manual_seed(1337)
         cfg = nanogpt.GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, bias=False, vocab_size=vocab, dropout=0.0)
         with contextlib.redirect_stdout(io.StringIO()):  # (its parameter count and optimizer lines)
             self.model = nanogpt.GPT(cfg)
             self.optimizer = self.model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
-        with mock.patch("warnings.warn"):  # (train.py's GradScaler: enabled for float16, off without CUDA)
-            self.scaler = torch.amp.GradScaler("cuda", enabled=False)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=False)  # (train.py's: enabled for float16, off without CUDA)
+        self.log = open(os.devnull, "w")
         self.iter_num, self.local_iter_num, self.running_mfu = 0, 0, -1.0
+        self.t0 = time.time()
         self.X, self.Y = self.get_batch()
 
     def get_batch(self):
-        np = self.np
         data = np.memmap(self.train_bin, dtype=np.uint16, mode="r")
         ix = torch.randint(len(data) - self.block_size, (self.batch_size,))
         x = torch.stack([torch.from_numpy((data[i:i + self.block_size]).astype(np.int64)) for i in ix])
@@ -1149,6 +1152,7 @@ class NanoGPTLoop:
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         logits, loss = self.model(self.X, self.Y)
+        loss = loss / self.micro_batches
         self.X, self.Y = self.get_batch()
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
@@ -1156,22 +1160,33 @@ class NanoGPTLoop:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.last_loss = loss.item()
+        t1 = time.time()
+        dt, self.t0 = t1 - self.t0, t1
+        lossf = loss.item() * self.micro_batches
         if self.local_iter_num >= 5:
-            mfu = self.model.estimate_mfu(self.batch_size, 0.03)
+            mfu = self.model.estimate_mfu(self.batch_size * self.micro_batches, dt)
             self.running_mfu = mfu if self.running_mfu == -1.0 else 0.9 * self.running_mfu + 0.1 * mfu
+        print(f"iter {self.iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, mfu {self.running_mfu * 100:.2f}%",
+              file=self.log)
         self.iter_num += 1
         self.local_iter_num += 1
 
 
 def nanogpt_interleaved(args) -> dict:
     """nanoGPT's iteration (:class:`NanoGPTLoop`, its own model and optimizer code) and attnlab's trainer update of the
-    same model (fp32; bf16 where native) in one process, in blocks of ``--block-iters`` iterations taking turns for
-    ``--rounds`` × 10 blocks (the first iteration of each block untimed). Why: this machine's speed moves by up to
-    ~40% from one second to the next (attnlab's update read 30.6-49.7 ms in 30-iteration blocks of one process), so
-    train.py's processes, run one after the other, read ratios from 0.61 to 0.91 round by round; blocks ~0.2 s long
-    taken in turns see the same machine. ``paired_over_nanogpt``: the median of each block's ratio to nanoGPT's
-    block before it. Both sides share this process's heap (attnlab's, freed memory kept: ``--heap kept``'s setting)."""
+    same model (fp32; bf16 where native) in one process, in blocks of ``--block-iters`` iterations taking turns, the
+    order reversed every other round, for ``--rounds`` × 10 rounds (the first iteration of each block untimed). Why:
+    this machine's speed moves by up to ~40% from one second to the next (attnlab's update read 30.6–49.7 ms in
+    30-iteration blocks of one process), so train.py's processes, run one after the other, read ratios from 0.61 to
+    0.91 round by round; blocks ~0.2 s long taken in turns see nearly the same machine. ``paired_over_nanogpt``: the
+    median over rounds of each attnlab block's ratio to nanoGPT's block of the same round. Both sides share this
+    process's heap: attnlab's trainer keeps freed memory (``--heap kept``'s setting for nanoGPT too, which if anything
+    favours nanoGPT), so ``--heap default`` is refused here."""
+    if args.heap == "default":
+        raise SystemExit("--interleaved: both sides share attnlab's heap setting (freed memory kept); "
+                         "--heap default needs the process per side (leave --interleaved out)")
+    if args.block_iters < 2:
+        raise SystemExit(f"--block-iters {args.block_iters}: at least 2 (the first iteration of a block is not timed)")
     ng = Path(args.nanogpt).resolve()
     if not (ng / "model.py").exists():
         raise SystemExit(f"--nanogpt {ng}: no model.py there (a checkout of karpathy/nanoGPT is expected)")
@@ -1181,7 +1196,8 @@ def nanogpt_interleaved(args) -> dict:
     data_dir = ng / "data" / "shakespeare_char"
     shutil.copy(work / "input.txt", data_dir / "input.txt")  # prepare.py downloads only if absent
     subprocess.run([sys.executable, "prepare.py"], cwd=data_dir, check=True, capture_output=True)
-    sides = {"nanogpt": NanoGPTLoop(ng).iteration}
+    loop = NanoGPTLoop(ng)
+    sides = {"nanogpt": loop.iteration}
     for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
         trainer = lm_trainer(str(work / "input.txt"), str(work / f"interleaved_{'bf16' if bf16 else 'fp32'}"), 10 ** 6,
                              bf16, args.threads, False)
@@ -1190,18 +1206,18 @@ def nanogpt_interleaved(args) -> dict:
         for _ in range(WARMUP_ITERS):
             run()
     times = {key: [] for key in sides}  # per block: the median ms of its timed iterations
-    n = max(2, args.block_iters)
-    for _ in range(args.rounds * 10):
-        for key, run in sides.items():
+    for r in range(args.rounds * 10):
+        for key, run in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
             run()
             ms = []
-            for _ in range(n - 1):
+            for _ in range(args.block_iters - 1):
                 t0 = time.perf_counter()
                 run()
                 ms.append((time.perf_counter() - t0) * 1e3)
             times[key].append(statistics.median(ms))
     out = {"config": "nanoGPT README CPU run: 4 layers, 4 heads, d 128, block 64, batch 12, dropout 0",
-           "blocks_per_side": len(times["nanogpt"]), "iterations_per_block": n}
+           "heap": "kept (attnlab's trainer's setting, both sides)", "blocks_per_side": len(times["nanogpt"]),
+           "iterations_per_block": args.block_iters, "nanogpt_iterations_run": loop.iter_num}
     for key, blocks in times.items():
         out[key] = {"ms_per_iter_median": round(statistics.median(blocks), 2)}
     for key in [k for k in sides if k != "nanogpt"]:
@@ -1276,7 +1292,8 @@ def main():
     ap.add_argument("--loss-vocab", default="65,128,256,512,1024,8000", help="--loss-paths: comma-separated sizes")
     ap.add_argument("--compile", action="store_true",
                     help="--nanogpt: also time both tools' torch.compile of the step (nanoGPT --compile=True, attnlab --compile)")
-    ap.add_argument("--rounds", type=int, default=3, help="the sides take turns this many times (median reported)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="the sides take turns this many times (median reported; --interleaved: ten times this many)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed rounds, profile each side's step (the step tables; --nanogpt: attnlab's "
                          "eager sides): its time in matrix products, in fused attention and the costliest operators, "
@@ -1296,6 +1313,8 @@ def main():
     ap.add_argument("--as-avx2", action="store_true",
                     help="cap PyTorch, oneDNN and MKL at AVX2, no native bf16 (every side's process, nanoGPT's too)")
     args = ap.parse_args()
+    if args.interleaved and not args.nanogpt:
+        raise SystemExit("--interleaved: a comparison with nanoGPT (give --nanogpt PATH)")
     if args.as_avx2:
         if args.device != "cpu":
             raise SystemExit("--as-avx2: a CPU cap, for the CPU tables (leave --device out)")
@@ -1342,12 +1361,11 @@ def main():
         if getattr(args, name):
             results[name] = table(args)
             print(name, json.dumps(results[name]), flush=True)
-    if args.nanogpt and not args.interleaved:
-        results["nanogpt_shakespeare"] = nanogpt_step(args)
-        print("nanogpt_shakespeare", json.dumps(results["nanogpt_shakespeare"]), flush=True)
-    if args.nanogpt and args.interleaved:
-        results["nanogpt_interleaved"] = nanogpt_interleaved(args)
-        print("nanogpt_interleaved", json.dumps(results["nanogpt_interleaved"]), flush=True)
+    if args.nanogpt:
+        key, table = ("nanogpt_interleaved", nanogpt_interleaved) if args.interleaved else ("nanogpt_shakespeare",
+                                                                                           nanogpt_step)
+        results[key] = table(args)
+        print(key, json.dumps(results[key]), flush=True)
     print(json.dumps(results))
 
 

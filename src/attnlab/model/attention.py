@@ -324,20 +324,21 @@ def _build_short_attention() -> bool:
         # operator's backward (dq, dk, dv written into one gradient of the fused projection)
         g = torch.Generator().manual_seed(0)
 
-        def want(q, k, v, gout, b, causal):  # (out, dq, dk, dv) in float64, 2 query heads per key/value head
+        def want(q, k, v, gout, b, causal):  # (out, dq, dk, dv) in float64
             q64, k64, v64, g64 = (t.double() for t in (q, k, v, gout))
-            k64, v64 = k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1)  # (B, h, Tk, hd)
+            group = q.shape[1] // k.shape[1]  # query heads per key/value head
+            k64, v64 = k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1)  # (B, h, Tk, hd)
             s = q64 @ k64.transpose(-1, -2) * 0.5 + (0 if b is None else b.double())
             if causal:
                 s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], "cpu"), float("-inf"))
             p = s.softmax(-1)
             dp = g64 @ v64.transpose(-1, -2)
             ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * 0.5
-            return (p @ v64, ds @ k64, (ds.transpose(-1, -2) @ q64).unflatten(1, (-1, 2)).sum(2),
-                    (p.transpose(-1, -2) @ g64).unflatten(1, (-1, 2)).sum(2))
+            return (p @ v64, ds @ k64, (ds.transpose(-1, -2) @ q64).unflatten(1, (-1, group)).sum(2),
+                    (p.transpose(-1, -2) @ g64).unflatten(1, (-1, group)).sum(2))
 
         def close(got, wanted):
-            return all(torch.allclose(a.double(), w, rtol=1e-4, atol=1e-5) for a, w in zip(got, wanted))
+            return all(torch.allclose(a.double(), w, rtol=1e-4, atol=1e-5) for a, w in zip(got, wanted, strict=True))
 
         q, gout = (torch.randn(2, 4, 5, 20, generator=g, dtype=torch.float32, device="cpu") for _ in range(2))
         k, v = (torch.randn(2, 2, 7, 20, generator=g, dtype=torch.float32, device="cpu") for _ in range(2))
@@ -348,13 +349,17 @@ def _build_short_attention() -> bool:
             out, probs = torch.ops.attnlab.short_attention(q, k, v, b, 0.5, causal)
             got = (out, *torch.ops.attnlab.short_attention_backward(gout, q, k, v, probs, 0.5, causal))
             ok = ok and close(got, want(q, k, v, gout, b, causal))
-        qkv = torch.randn(2, 7, 160, generator=g, dtype=torch.float32, device="cpu")  # 4 query heads, 2 kv, 20 dims
-        gout = torch.randn(2, 7, 80, generator=g, dtype=torch.float32, device="cpu")  # (B, T, h·hd)
-        heads = [t.unflatten(2, (-1, 20)).transpose(1, 2) for t in qkv.split([80, 40, 40], 2)]  # (B, heads, T, hd)
-        out, probs = torch.ops.attnlab.short_attention(*heads, None, 0.5, True)
-        dqkv = torch.ops.attnlab.packed_attention_backward(gout, qkv, probs, 4, 2, 0.5, True)
-        got = [t.unflatten(2, (-1, 20)).transpose(1, 2) for t in dqkv.split([80, 40, 40], 2)]
-        ok = ok and close(got, want(*heads, gout.unflatten(2, (4, 20)).transpose(1, 2), None, True)[1:])
+        # 4 query heads, 2 key/value heads; 20 dims (the kernel's padded copies on AVX2 and AVX-512) and 16 (written
+        # straight into the gradient at its row stride, the GQA pair summed there)
+        for hd in (20, 16):
+            qkv = torch.randn(2, 7, 8 * hd, generator=g, dtype=torch.float32, device="cpu")  # (B, T, (4 + 2·2)·hd)
+            gout = torch.randn(2, 7, 4 * hd, generator=g, dtype=torch.float32, device="cpu")  # (B, T, h·hd)
+            blocks = [4 * hd, 2 * hd, 2 * hd]
+            heads = [t.unflatten(2, (-1, hd)).transpose(1, 2) for t in qkv.split(blocks, 2)]  # (B, heads, T, hd)
+            out, probs = torch.ops.attnlab.short_attention(*heads, None, 0.5, True)
+            dqkv = torch.ops.attnlab.packed_attention_backward(gout, qkv, probs, 4, 2, 0.5, True)
+            got = [t.unflatten(2, (-1, hd)).transpose(1, 2) for t in dqkv.split(blocks, 2)]
+            ok = ok and close(got, want(*heads, gout.unflatten(2, (4, hd)).transpose(1, 2), None, True)[1:])
         one = torch.ones(1, 1, 3, 4, dtype=torch.float32, device="cpu")  # 3 queries, 2 keys: the first sees none
         out, _ = torch.ops.attnlab.short_attention(one, one[:, :, :2], one[:, :, :2], None, 1.0, True)
         return ok and bool((out[0, 0, 0] == 0).all() and (out[0, 0, 1:] == 1).all())
