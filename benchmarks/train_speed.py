@@ -1025,17 +1025,25 @@ def shakespeare_text(args) -> Path | None:
     return work
 
 
-def nanogpt_step(args) -> dict:
-    """ms/iter of nanoGPT's train.py and of attnlab's trainer on Tiny Shakespeare, the sides in turns."""
+def prepared_nanogpt(args, needs: str) -> tuple[Path, Path]:
+    """(the nanoGPT checkout ``--nanogpt``, ``--workdir`` with Tiny Shakespeare from ``--data``), its character data
+    prepared by its own ``data/shakespeare_char/prepare.py`` (train.bin, val.bin, meta.pkl). ``needs``: the file
+    of the checkout the caller runs."""
     ng = Path(args.nanogpt).resolve()
-    if not (ng / "train.py").exists():
-        raise SystemExit(f"--nanogpt {ng}: no train.py there (a checkout of karpathy/nanoGPT is expected)")
+    if not (ng / needs).exists():
+        raise SystemExit(f"--nanogpt {ng}: no {needs} there (a checkout of karpathy/nanoGPT is expected)")
     work = shakespeare_text(args)
     if work is None:
         raise SystemExit(f"--data {args.data}: no input.txt(.gz) of Tiny Shakespeare there")
     data_dir = ng / "data" / "shakespeare_char"
     shutil.copy(work / "input.txt", data_dir / "input.txt")  # prepare.py downloads only if absent
     subprocess.run([sys.executable, "prepare.py"], cwd=data_dir, check=True, capture_output=True)
+    return ng, work
+
+
+def nanogpt_step(args) -> dict:
+    """ms/iter of nanoGPT's train.py and of attnlab's trainer on Tiny Shakespeare, the sides in turns."""
+    ng, work = prepared_nanogpt(args, "train.py")
     iters = max(args.nanogpt_iters, WARMUP_ITERS + 1)
     threads = str(args.threads or torch.get_num_threads())
     env = {**os.environ, "OMP_NUM_THREADS": threads}
@@ -1187,15 +1195,7 @@ def nanogpt_interleaved(args) -> dict:
                          "--heap default needs the process per side (leave --interleaved out)")
     if args.block_iters < 2:
         raise SystemExit(f"--block-iters {args.block_iters}: at least 2 (the first iteration of a block is not timed)")
-    ng = Path(args.nanogpt).resolve()
-    if not (ng / "model.py").exists():
-        raise SystemExit(f"--nanogpt {ng}: no model.py there (a checkout of karpathy/nanoGPT is expected)")
-    work = shakespeare_text(args)
-    if work is None:
-        raise SystemExit(f"--data {args.data}: no input.txt(.gz) of Tiny Shakespeare there")
-    data_dir = ng / "data" / "shakespeare_char"
-    shutil.copy(work / "input.txt", data_dir / "input.txt")  # prepare.py downloads only if absent
-    subprocess.run([sys.executable, "prepare.py"], cwd=data_dir, check=True, capture_output=True)
+    ng, work = prepared_nanogpt(args, "model.py")
     loop = NanoGPTLoop(ng)
     sides = {"nanogpt": loop.iteration}
     for bf16 in [False] + ([True] if accel.bf16_native("cpu") else []):
