@@ -54,33 +54,25 @@ def test_train_speed_runs_one_step():
     assert row["hf_marian"]["peak_rss_over_imports_MB"] > 0 and "minor_faults_per_unit" in row["hf_marian"]
 
 
-def test_train_speed_as_avx2_caps_every_side():
-    """train_speed.py --as-avx2: the run starts again capped at AVX2 (accel.AVX2_ENVIRONMENT), and so does every
-    side's process (PyTorch's kernels at AVX2), with no bf16 rows (no native bf16 under the cap)."""
+def test_train_speed_profile_splits_each_step_capped_at_avx2():
+    """train_speed.py --profile --as-avx2: each side's step profiled in its own process after the timed rounds;
+    its matrix products' time is part of the profiled step, its costliest operators fit inside it, and the bounds
+    on attnlab's lead follow from the peers' times and MFUs. --as-avx2 (on an x86 CPU with AVX2): the run starts
+    again capped at AVX2 (accel.AVX2_ENVIRONMENT), and so does every side's process (PyTorch's kernels at AVX2),
+    with no bf16 rows (no native bf16 under the cap). One run serves both flags (each was its own process)."""
     pytest.importorskip("transformers")
     from attnlab import accel
-    if "avx2" not in accel.cpu_flags():
-        pytest.skip("--as-avx2 stands in for an AVX2 CPU on a wider x86 one")
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--as-avx2", "--steps", "1",
-                          "--shapes", "tiny", "--threads", "1", "--peak-size", "256", "--rounds", "1"],
+    capped = "avx2" in accel.cpu_flags()
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--steps", "2", "--shapes",
+                          "tiny", "--threads", "1", "--peak-size", "256", "--rounds", "1", "--profile",
+                          "--device", "cpu", "--dtype", "fp32", *(["--as-avx2"] if capped else [])],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    assert "(AVX2" in r["cpu"] and "tiny_bf16" not in r  # ("… (AVX2 (capped on AVX-512…))" on a wider CPU)
-    assert {r["tiny_fp32"][key]["cpu_capability"] for key in ("attnlab", "hf_marian", "torch_nn_transformer")} == {"AVX2"}
-
-
-def test_train_speed_profile_splits_each_step():
-    """train_speed.py --profile: each side's step profiled in its own process after the timed rounds; its matrix
-    products' time is part of the profiled step, its costliest operators fit inside it, and the bounds on attnlab's
-    lead follow from the peers' times and MFUs."""
-    pytest.importorskip("transformers")
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--steps", "2", "--shapes",
-                          "tiny", "--threads", "1", "--peak-size", "256", "--rounds", "1", "--profile",
-                          "--device", "cpu", "--dtype", "fp32"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
     assert r["device"] == "cpu" and "tiny_bf16" not in r and "matmul_peak_GFLOPs_bf16" not in r  # --dtype fp32 only
+    if capped:  # ("… (AVX2 (capped on AVX-512…))" on a wider CPU)
+        assert "(AVX2" in r["cpu"]
+        assert {r["tiny_fp32"][key]["cpu_capability"] for key in ("attnlab", "hf_marian", "torch_nn_transformer")} == {"AVX2"}
     row = r["tiny_fp32"]
     for key in ("attnlab", "hf_marian", "torch_nn_transformer"):
         p = row[key]["profile"]
@@ -363,13 +355,12 @@ def test_train_speed_attention_keys_table_runs(tmp_path):
         assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 3)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
-def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
-    """train_speed.py --nanogpt [--compile]: the sides' per-iteration times parsed and compared. A stand-in
-    checkout (its train.py prints nanoGPT's log lines) keeps nanoGPT out of the suite; attnlab's side is the
-    real trainer update on a small text (with --compile also its torch.compile)."""
-    if compiled and not (shutil.which("g++") or shutil.which("c++")):
-        pytest.skip("torch.compile on CPU needs a C++ compiler")
+def test_train_speed_nanogpt_step_runs(tmp_path):
+    """train_speed.py --nanogpt --profile --compile: the sides' per-iteration times parsed and compared. A
+    stand-in checkout (its train.py prints nanoGPT's log lines) keeps nanoGPT out of the suite; attnlab's side
+    is the real trainer update on a small text, profiled eager, and compiled with torch.compile (where a C++
+    compiler is: the two flags share one run, as the profile reads the eager update only)."""
+    compiled = bool(shutil.which("g++") or shutil.which("c++"))
     ng = tmp_path / "nanoGPT"
     (ng / "data" / "shakespeare_char").mkdir(parents=True)
     (ng / "data" / "shakespeare_char" / "prepare.py").write_text("")
@@ -382,13 +373,13 @@ def test_train_speed_nanogpt_step_runs(tmp_path, compiled):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--nanogpt",
                           str(ng), "--nanogpt-iters", "12", "--rounds", "1", "--data", str(data),
                           "--workdir", str(tmp_path / "work"), "--threads", "1",
-                          *(["--compile"] if compiled else ["--profile"])], capture_output=True, text=True, timeout=300)
+                          "--profile", *(["--compile"] if compiled else [])], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])["nanogpt_shakespeare"]
-    if not compiled:  # --profile: attnlab's eager update profiled in its own process, its products inside it
-        profile = r["attnlab_fp32"]["profile"]
-        assert 0 < profile["products_ms"] < profile["profiled_ms"]
-        assert r["attnlab_fp32_over_nanogpt_if_only_products"] == round(profile["products_ms"] / 60.5, 3)
+    # --profile: attnlab's eager update profiled in its own process, its products inside it
+    profile = r["attnlab_fp32"]["profile"]
+    assert 0 < profile["products_ms"] < profile["profiled_ms"]
+    assert r["attnlab_fp32_over_nanogpt_if_only_products"] == round(profile["products_ms"] / 60.5, 3)
     if compiled:  # the stand-in's run with --compile=True: iterations 10 and 11 at 50 and 51 ms
         assert r["nanogpt_compiled"]["ms_per_iter_median"] == 50.5
         assert r["attnlab_fp32_compiled_over_nanogpt_compiled"] == round(
