@@ -148,13 +148,32 @@ def test_serve_load_smoke(tmp_path):
     assert r["ratios"]["targets"]["zero_errors"] is True
 
 
-def test_train_speed_attention_table_runs():
-    """train_speed.py --attention: both attention paths timed on one shape, and their ratio."""
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--attention",
-                          "--attention-shapes", "nanogpt", "--steps", "1", "--rounds", "1", "--threads", "1"],
-                         capture_output=True, text=True, timeout=300)
+def _own_kernels_build_here() -> bool:
+    import platform
+    return platform.system() == "Linux" and bool(shutil.which("g++") or shutil.which("c++"))
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    """One train_speed.py process for the tables below (each was a process of its own, its start-up ~5 s of the
+    suite's time on a 2-core AVX2 CPU); main() runs every table flag given, each on its own. The kernel tables
+    only where attnlab's kernels build (Linux, a C++ compiler), as their tests skip elsewhere."""
+    tmp = tmp_path_factory.mktemp("tables")
+    (tmp / "data").mkdir()
+    (tmp / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
+    kernels = ["--dropout", "--gelu", "--attention-kernel", "--packed-attention", "--linear-kernel"]
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--attention",
+                          "--attention-shapes", "nanogpt", "--gemm", "--ablate",
+                          *(kernels if _own_kernels_build_here() else []), "--shapes", "tiny", "--steps", "1",
+                          "--rounds", "1", "--threads", "1", "--data", str(tmp / "data"), "--workdir", str(tmp / "work")],
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    (row,) = json.loads(res.stdout.strip().splitlines()[-1])["attention"].values()
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_train_speed_attention_table_runs(tables):
+    """train_speed.py --attention: both attention paths timed on one shape, and their ratio."""
+    (row,) = tables["attention"].values()
     assert row["fused_ms"] > 0 and row["short_ms"] > 0
     assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 2)
 
@@ -169,14 +188,10 @@ def _onednn_training_products() -> bool:
     return onednn_training_products()
 
 
-def test_train_speed_gemm_table_runs():
+def test_train_speed_gemm_table_runs(tables):
     """train_speed.py --gemm: attnlab's fp32 step on oneDNN's GEMM and on MKL's, in turns, and their ratio
     (or the reason it was skipped, on a CPU whose fp32 training products take MKL)."""
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--gemm", "--shapes", "tiny",
-                          "--steps", "1", "--rounds", "1", "--threads", "1"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    table = json.loads(res.stdout.strip().splitlines()[-1])["gemm"]
+    table = tables["gemm"]
     if not _onednn_training_products():
         assert "skipped" in table
         return
@@ -185,17 +200,12 @@ def test_train_speed_gemm_table_runs():
     assert row["mkl_over_onednn"] == round(row["mkl_ms"] / row["onednn_ms"], 3)
 
 
-def test_train_speed_dropout_table_runs():
+def test_train_speed_dropout_table_runs(tables):
     """train_speed.py --dropout: attnlab's dropout kernel and its torch path timed in turns, on an activation
     and on a whole (tiny) step, and their ratio."""
-    import platform
-    if platform.system() != "Linux" or not (shutil.which("g++") or shutil.which("c++")):
+    if not _own_kernels_build_here():
         pytest.skip("attnlab's dropout kernel is built on Linux with a C++ compiler")
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--dropout", "--shapes", "tiny",
-                          "--steps", "1", "--rounds", "1", "--threads", "1"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    table = json.loads(res.stdout.strip().splitlines()[-1])["dropout"]
+    table = tables["dropout"]
     assert "small (64, 24, 256) fp32" in table and "step tiny fp32" in table
     for row in table.values():
         assert row["kernel_ms"] > 0 and row["torch_ms"] > 0
@@ -204,28 +214,19 @@ def test_train_speed_dropout_table_runs():
 
 @pytest.mark.parametrize("flag, other", [("--gelu", "f_gelu"), ("--attention-kernel", "torch_ops"),
                                          ("--linear-kernel", "python")])
-def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
+def test_train_speed_own_kernel_table_runs(tables, flag, other):
     """train_speed.py --gelu / --attention-kernel / --linear-kernel: attnlab's GELU, attention or linear kernel
     against F.gelu, ShortAttention's torch ops or the Python OneDNNLinear in turns, on a whole (tiny) Marian step and
     on the trainer's update of nanoGPT's model (a small text given as --data), and their ratio (--linear-kernel: also
     the kernel with MKL's weight gradient, or why it was skipped, where the products take MKL anyway). The attention
-    kernel's run also gives --packed-attention (one process for both): self-attention on the packed operator against
+    kernel's table comes with --packed-attention's (all in the one process of the fixture ``tables``): self-attention on the packed operator against
     the split path; every self-attention the packed path saw took the packed operator (neither step has a mask or
     attention dropout), so the two paths compared differ."""
-    import platform
-    if platform.system() != "Linux" or not (shutil.which("g++") or shutil.which("c++")):
+    if not _own_kernels_build_here():
         pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler")
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
-    also = ["--packed-attention"] if flag == "--attention-kernel" else []
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), flag, *also, "--shapes", "tiny",
-                          "--steps", "1", "--rounds", "2", "--threads", "1", "--data", str(tmp_path / "data"),
-                          "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    results = json.loads(res.stdout.strip().splitlines()[-1])
-    table = results[flag[2:].replace("-", "_")]
-    if also:
-        packed = results["packed_attention"]
+    table = tables[flag[2:].replace("-", "_")]
+    if flag == "--attention-kernel":
+        packed = tables["packed_attention"]
         assert set(packed) == {"step tiny fp32", "nanogpt update fp32"}
         for row in packed.values():
             assert row["packed_ms"] > 0 and row["split_ms"] > 0 and row["packed_share"] == 1.0
@@ -241,17 +242,11 @@ def test_train_speed_own_kernel_table_runs(tmp_path, flag, other):
             assert row["mkl_weight_grad_over_kernel"] == round(row["kernel_mkl_weight_grad_ms"] / row["kernel_ms"], 3)
 
 
-def test_train_speed_ablation_table_runs(tmp_path):
+def test_train_speed_ablation_table_runs(tables):
     """train_speed.py --ablate: attnlab's (tiny) fp32 step and the trainer's update of nanoGPT's model (a small text
     given as --data) timed as they are and with each part swapped for its stand-in, in turns; each part's cost is
     the difference. The stand-ins must leave the update running (a stand-in of the wrong shape fails it)."""
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--ablate", "--shapes", "tiny",
-                          "--steps", "1", "--rounds", "1", "--threads", "1", "--data", str(tmp_path / "data"),
-                          "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    table = json.loads(res.stdout.strip().splitlines()[-1])["ablate"]
+    table = tables["ablate"]
     assert set(table) == {"step tiny fp32", "nanogpt update fp32"}
     parts = ["attention_stand_in", "norm_stand_in", "activation_stand_in", "loss_other_path", "no_optimizer_step"]
     for name, row in table.items():
