@@ -59,8 +59,10 @@ DEFAULT_CONFIGS = list(CONFIGS)[:6]
 
 
 def validation_text(path: Path) -> str:
-    if not path.exists():
-        raise SystemExit(f"{path}: not found; give Tiny Shakespeare's input.txt (or .gz) with --data")
+    if path.is_dir():  # its folder (as train_speed.py's --data takes it): the file inside
+        path = next((path / name for name in ("input.txt", "input.txt.gz") if (path / name).is_file()), path / "input.txt")
+    if not path.is_file():
+        raise SystemExit(f"{path}: not found; give Tiny Shakespeare's input.txt (or .gz), or its folder, with --data")
     raw = gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz" else path.read_text(encoding="utf-8")
     return raw[int(0.9 * len(raw)):]  # nanoGPT's split: the last 10%
 
@@ -131,7 +133,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated, from {', '.join(CONFIGS)} (default: all but the last)")
-    ap.add_argument("--data", default=str(DATA), help="Tiny Shakespeare input.txt or input.txt.gz")
+    ap.add_argument("--data", default=str(DATA), help="Tiny Shakespeare input.txt or input.txt.gz, or the folder holding it")
     ap.add_argument("--compile", action="store_true",
                     help="also the compiled decode step of the quantised rows: its greedy agreement and speed")
     ap.add_argument("--quick", action="store_true", help="1,000 tokens, 16 new tokens, one repeat (a smoke test)")

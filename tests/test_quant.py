@@ -519,7 +519,7 @@ def test_quant_quality_benchmark_runs_quick_on_attnlabs_kernels(lm_dir, tmp_path
     (tmp_path / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 60,
                                         encoding="utf-8")
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "quant_quality.py"), "--quick", "--model", str(lm_dir),
-                          "--data", str(tmp_path / "input.txt"), "--threads", "1", "--configs", "fp32,int8,int4"],
+                          "--data", str(tmp_path), "--threads", "1", "--configs", "fp32,int8,int4"],  # (its folder)
                          capture_output=True, text=True, timeout=300,  # (whatever the suite's env says)
                          env={**{k: v for k, v in os.environ.items() if k != "ATTNLAB_QUANT_KERNELS"},
                               "ATTNLAB_OWN_KERNELS": "1"})
