@@ -651,12 +651,14 @@ def test_compiled_int4_step_on_avx2_takes_attnlabs_kernels_and_matches_eager(tmp
 
 @needs_own_kernel
 @pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 1, 3), (2, 7, 5), (3, 33, 64), (5, 100, 257), (8, 1000, 40),
-                                   (1, 9000, 3), (9, 100, 40), (40, 576, 96), (70, 100, 40)])
+                                   (1, 9000, 3), (3, 9000, 3), (4, 4100, 7), (9, 100, 40), (40, 576, 96),
+                                   (70, 100, 40)])
 def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
     """attnlab::int8_matvec against the product in float64: within the bound its int16 activations give
-    (half a step of each row's grid, times |w|·scale), for every tail of the 64- and 16-wide loops, more
-    rows than one (up to 64: the compiled step's batch × beams), rows split over threads and a row longer
-    than one int32 block; past 64 rows the dequantised weight's dense product."""
+    (half a step of each row's grid, times |w|·scale), for every tail of the 64-, 32- and 16-wide loops, more
+    rows than one (up to 64: the compiled step's batch × beams; taken up to 4 at a time), rows split over threads
+    and rows longer than one int32 block; past 64 rows the dequantised weight's dense product. Rows taken
+    together give exactly what each gives alone (the int32 sums are exact)."""
     assert quant._build_own_kernels()
     g = torch.Generator().manual_seed(M * K + N)
     x = torch.randn(M, K, generator=g)
@@ -669,6 +671,9 @@ def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
     bound = quant.int16_rounding_bound(x, w, scales) + 1e-6 * ref.abs() + 1e-7
     assert bool(((out.double() - ref).abs() <= bound).all())
     assert (out.double() - ref).abs().max() < 1e-3 * ref.abs().max()  # and the bound is not loose
+    if M <= 64:
+        alone = torch.cat([torch.ops.attnlab.int8_matvec(x[m:m + 1], w, scales) for m in range(M)])
+        assert torch.equal(out, alone)
     xt = torch.randn(K, M, generator=g).t()  # a strided input is made contiguous, not misread
     ref_t = F.linear(xt.double(), w.double()) * scales.double()
     err_t = (torch.ops.attnlab.int8_matvec(xt, w, scales).double() - ref_t).abs()
@@ -715,12 +720,13 @@ def test_own_int4_kernel_is_the_product_to_its_int16_rounding(M, K, N, group):
 
 @needs_own_kernel
 def test_own_kernels_neither_overflow_nor_hide_a_nan():
-    """The largest products (127 · 32767, or 15 · 32767, 20,000 of them) overflow no int32 sum, and a row
-    with a NaN or an inf gives NaN/inf like the float product, not a number."""
+    """The largest products (127 · 32767, or 15 · 32767, 20,000 of them, in one row or in rows taken together)
+    overflow no int32 sum, and a row with a NaN or an inf gives NaN/inf like the float product, not a number."""
     assert quant._build_own_kernels()
     w = torch.full((3, 20000), 127, dtype=torch.int8)
-    out = torch.ops.attnlab.int8_matvec(torch.full((1, 20000), -1.0), w, torch.ones(3))
-    torch.testing.assert_close(out, torch.full((1, 3), -127.0 * 20000))
+    for rows in (1, 2, 3, 4):  # (one row alone, and rows widened together: two int32 sums a row)
+        out = torch.ops.attnlab.int8_matvec(torch.full((rows, 20000), -1.0), w, torch.ones(3))
+        torch.testing.assert_close(out, torch.full((rows, 3), -127.0 * 20000))
     q4 = torch.full((3, 9984), 255, dtype=torch.uint8)  # 19,968 inputs, every nibble 15
     ones = torch.ones(3, 624, dtype=torch.half)
     out = torch.ops.attnlab.int4_matvec(torch.full((1, 19968), -1.0), q4, ones, ones)
