@@ -650,8 +650,8 @@ def test_compiled_int4_step_on_avx2_takes_attnlabs_kernels_and_matches_eager(tmp
 
 
 @needs_own_kernel
-@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 1, 3), (2, 7, 5), (3, 33, 64), (5, 100, 257), (8, 1000, 40),
-                                   (1, 9000, 3), (3, 9000, 3), (4, 4100, 7), (9, 100, 40), (40, 576, 96),
+@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 1, 3), (2, 7, 5), (3, 33, 64), (5, 100, 257), (8, 1010, 40),
+                                   (1, 9000, 3), (3, 9010, 3), (4, 4120, 7), (9, 100, 40), (40, 576, 96),
                                    (70, 100, 40)])
 def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
     """attnlab::int8_matvec against the product in float64: within the bound its int16 activations give
@@ -733,8 +733,14 @@ def test_own_kernels_neither_overflow_nor_hide_a_nan():
     torch.testing.assert_close(out, torch.full((1, 3), -16.0 * 19968), rtol=1e-5, atol=0)  # the blocks add in fp32
     x = torch.randn(3, 64)
     x[1, 3], x[2, 5] = float("nan"), float("inf")
-    out = torch.ops.attnlab.int8_matvec(x, torch.randint(1, 128, (5, 64), dtype=torch.int8), torch.ones(5))
+    w8 = torch.randint(1, 128, (5, 64), dtype=torch.int8)
+    out = torch.ops.attnlab.int8_matvec(x, w8, torch.ones(5))
     assert out[0].isfinite().all() and out[1].isnan().all() and (out[2] == float("inf")).all()
+    x7 = torch.randn(7, 64)  # a NaN row between finite ones (taken 2, then 4, together): they keep their numbers
+    x7[2, 1] = float("nan")
+    out = torch.ops.attnlab.int8_matvec(x7, w8, torch.ones(5))
+    alone = torch.cat([torch.ops.attnlab.int8_matvec(x7[m:m + 1], w8, torch.ones(5)) for m in range(7)])
+    assert out[2].isnan().all() and torch.equal(out[[0, 1, 3, 4, 5, 6]], alone[[0, 1, 3, 4, 5, 6]])
     pos = torch.ones(5, 2, dtype=torch.half)
     out = torch.ops.attnlab.int4_matvec(x, torch.randint(0, 256, (5, 32), dtype=torch.uint8), pos, pos)
     assert out[0].isfinite().all() and out[1].isnan().all() and (out[2] == float("inf")).all()

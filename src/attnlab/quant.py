@@ -61,8 +61,8 @@ forces):
   prefetch a few rows ahead) and widened to int16 in registers, against the activations rounded
   to int16 with one scale per row (``max |x| ↦ 32767``: finer than bf16 for every element within 128×
   of its row's largest), summed exactly in int32, rows split over PyTorch's threads. int8 widens each
-  weight once for up to 4 rows of activations (a prompt, a batch, beams: SmolLM2's products 1.23× faster
-  at 4 rows, 1.32× at 8, than a widening per row; docs/results.md). int4 has a layout of
+  weight once for up to 4 rows of activations (a prompt, a batch, beams: SmolLM2's products 1.23–1.25×
+  faster at 4 rows, 1.28–1.32× at 8, than a widening per row; two runs, docs/results.md). int4 has a layout of
   its own, made from the portable one (:meth:`Int4Linear._own_tensors`): 4 nibbles per 16-bit word so
   that a shift and a mask make them int16, and an fp16 scale and minimum per 32 inputs (as llama.cpp's
   Q4_1: 0.625 bytes per weight, against int8's 1). They are built with ``torch.utils.cpp_extension`` (a
