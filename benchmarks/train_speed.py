@@ -1202,19 +1202,22 @@ def nanogpt_interleaved(args) -> dict:
         trainer = lm_trainer(str(work / "input.txt"), str(work / f"interleaved_{'bf16' if bf16 else 'fp32'}"), 10 ** 6,
                              bf16, args.threads, False)
         sides[f"attnlab_{'bf16' if bf16 else 'fp32'}"] = lambda trainer=trainer: trainer._update(1e-3)
-    for run in sides.values():  # (warm-up, as the headline's first 10 iterations)
-        for _ in range(WARMUP_ITERS):
-            run()
     times = {key: [] for key in sides}  # per block: the median ms of its timed iterations
-    for r in range(args.rounds * 10):
-        for key, run in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
-            run()
-            ms = []
-            for _ in range(args.block_iters - 1):
-                t0 = time.perf_counter()
+    try:
+        for run in sides.values():  # (warm-up, as the headline's first 10 iterations)
+            for _ in range(WARMUP_ITERS):
                 run()
-                ms.append((time.perf_counter() - t0) * 1e3)
-            times[key].append(statistics.median(ms))
+        for r in range(args.rounds * 10):
+            for key, run in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
+                run()
+                ms = []
+                for _ in range(args.block_iters - 1):
+                    t0 = time.perf_counter()
+                    run()
+                    ms.append((time.perf_counter() - t0) * 1e3)
+                times[key].append(statistics.median(ms))
+    finally:
+        loop.log.close()  # (nanoGPT's per-iteration prints, to /dev/null)
     out = {"config": "nanoGPT README CPU run: 4 layers, 4 heads, d 128, block 64, batch 12, dropout 0",
            "heap": "kept (attnlab's trainer's setting, both sides)", "blocks_per_side": len(times["nanogpt"]),
            "iterations_per_block": args.block_iters, "nanogpt_iterations_run": loop.iter_num}
