@@ -7,7 +7,6 @@ is in test_quant.py."""
 import gzip
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -173,7 +172,8 @@ def test_serve_load_smoke(tmp_path):
 
 def _own_kernels_build_here() -> bool:
     import platform
-    return platform.system() == "Linux" and bool(shutil.which("g++") or shutil.which("c++"))
+    from attnlab import accel
+    return platform.system() == "Linux" and accel.can_build_kernels()  # (as accel.own_kernel_serves asks)
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +378,8 @@ def test_train_speed_nanogpt_step_runs(tmp_path):
     stand-in checkout (its train.py prints nanoGPT's log lines) keeps nanoGPT out of the suite; attnlab's side
     is the real trainer update on a small text, profiled eager, and compiled with torch.compile (where a C++
     compiler is: the two flags share one run, as the profile reads the eager update only)."""
-    compiled = bool(shutil.which("g++") or shutil.which("c++"))
+    from attnlab import accel
+    compiled = accel.cxx_compiler() is not None  # (the compiler inductor would use)
     ng = tmp_path / "nanoGPT"
     (ng / "data" / "shakespeare_char").mkdir(parents=True)
     (ng / "data" / "shakespeare_char" / "prepare.py").write_text("")
