@@ -632,7 +632,8 @@ def _exact_products():
 def test_compiled_int4_step_on_avx2_takes_attnlabs_kernels_and_matches_eager(tmp_path):
     """On AVX2 (here a child process capped at AVX2, with an inductor cache of its own) every product of
     a compiled int4 step (int4 layers, int8 head) is attnlab's own kernel, where it can be built, and the
-    step's logits are the eager fp32 ones to its int16 rounding and fp16 scales."""
+    step's logits are the eager fp32 ones to its kernels' rounding (activations int16 per row for int8, int8
+    per 32 inputs for int4: ~0.5% noise a product) and fp16 scales."""
     import subprocess
     import sys
     env = {**os.environ, **accel.AVX2_ENVIRONMENT, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
@@ -644,7 +645,7 @@ def test_compiled_int4_step_on_avx2_takes_attnlabs_kernels_and_matches_eager(tmp
     assert r["capability"] == "AVX2" and r["kinds"] == ["int4", "int8"]
     if _own_kernel_tools():
         assert r["own"] and all(r["own"]), r
-        assert r["cos"] > 0.99999 and r["rel_max"] <= 2e-3, r
+        assert r["cos"] > 0.9999 and r["rel_max"] <= 1e-2, r  # seen here: 0.999992, 1.6e-3
     else:  # PyTorch's kernels or the GEMM template (or the traced eager product): bf16 activations
         assert not any(r["own"]) and r["cos"] > 0.999 and r["rel_max"] <= 0.05, r
 
@@ -684,13 +685,14 @@ def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
 @pytest.mark.parametrize("M,K,N,group", [(1, 576, 1536, 32), (1, 1, 3, 32), (2, 7, 5, 32), (3, 33, 64, 64),
                                          (5, 100, 257, 32), (8, 1000, 40, 128), (1, 9000, 3, 32), (2, 1536, 9, 64),
                                          (9, 100, 40, 32), (40, 576, 96, 64), (70, 100, 40, 32), (65, 576, 96, 64)])
-def test_own_int4_kernel_is_the_product_to_its_int16_rounding(M, K, N, group):
+def test_own_int4_kernel_is_the_product_to_its_int8_rounding(M, K, N, group):
     """attnlab::int4_matvec against the product in float64 of the weight its layout stands for: within
-    the int16 rounding of the activations (on q·scale, the part that meets them) and fp32's of each
-    product. That weight is the layer's own to fp16's rounding of scale and minimum, exactly so where they
-    are fp16 values (a GGUF's Q4_1 blocks). Every tail: inputs no multiple of 64 or of a group, groups of
-    64 and 128, a last row read with its padding, rows split over threads, up to 64 rows; past 64 rows the
-    dense product of the layout's weight dequantised."""
+    the int8 rounding of the activations per 32 inputs (on q·scale, the part that meets them) and fp32's of
+    each product; and, tighter, equal to fp32's rounding to that product with the activations rounded by
+    hand as the kernel rounds them. That weight is the layer's own to fp16's rounding of scale and minimum,
+    exactly so where they are fp16 values (a GGUF's Q4_1 blocks). Every tail: inputs no multiple of 64 or
+    of a group, groups of 64 and 128, fewer than 8 blocks left at a row's end, rows split over threads, up
+    to 64 rows; past 64 rows the dense product of the layout's weight dequantised."""
     assert quant._build_own_kernels()
     g = torch.Generator().manual_seed(M * K + N + group)
     lin = nn.Linear(K, N, bias=False)
@@ -707,8 +709,18 @@ def test_own_int4_kernel_is_the_product_to_its_int16_rounding(M, K, N, group):
     out = torch.ops.attnlab.int4_matvec(x, t["kernel_weight"], t["kernel_scales"], t["kernel_mins"])
     ref = F.linear(x.double(), scaled + rest)
     assert out.dtype == torch.float32 and out.shape == (M, N)
-    assert bool(((out.double() - ref).abs() <= quant.own_kernel_error_bound(x, scaled, rest)).all())
-    assert (out.double() - ref).abs().max() < 2e-3 * ref.abs().max()
+    assert bool(((out.double() - ref).abs() <= quant.int4_kernel_error_bound(x, scaled, rest)).all())
+    size = x.abs().double() @ (scaled.abs() + rest.abs()).t()
+    if M <= 64:  # the activations rounded by hand: int8 per 32 inputs, max |x| ↦ 127, half to even
+        Kp = -(-K // 32) * 32
+        xb = F.pad(x, (0, Kp - K)).view(M, -1, 32)
+        big = xb.abs().amax(dim=2, keepdim=True)
+        q = torch.round(xb * torch.where(big > 0, 127.0 / big, torch.zeros(())))
+        rounded = (q.double() * (big / 127.0).double()).view(M, Kp)[:, :K]
+        by_hand = rounded @ scaled.t() + x.double() @ rest.t()
+        assert bool(((out.double() - by_hand).abs() <= 1e-6 * size).all())
+    else:  # the dequantised weight's dense product: the activations as they are
+        assert bool(((out.double() - ref).abs() <= 1e-5 * size).all())
     with torch.no_grad():  # fp16 scales and minimums (GGUF Q4_1): the layout's weight is the layer's, exactly
         scale, zero = layer.scales_and_zeros.unbind(-1)
         scale16 = scale.half().float()
@@ -877,7 +889,8 @@ def test_compiled_step_with_attnlabs_kernels_matches_the_eager_step(monkeypatch)
             with _exact_products():
                 a = eager.step(tok)
             b = compiled.step(tok)
-            torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-3 * a.abs().max().item())
+            # int4 rounds the activations to int8 per 32 inputs (~0.5% noise a product), int8 to int16 per row
+            torch.testing.assert_close(b, a, rtol=2e-3, atol=1e-2 * a.abs().max().item())
             tok = a.argmax(-1, keepdim=True)
 
 

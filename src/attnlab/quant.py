@@ -58,13 +58,19 @@ forces):
   :func:`own_kernel_max_rows`; in the compiled step, any number (the C++ takes the dense product past
   64). The eager products of a few rows are theirs on AVX-512 CPUs too (SmolLM2's eager decoding there:
   1.49× int8, 1.29× int4 over PyTorch's kernels). Each weight row is read once (with a software
-  prefetch a few rows ahead) and widened to int16 in registers, against the activations rounded
-  to int16 with one scale per row (``max |x| ↦ 32767``: finer than bf16 for every element within 128×
-  of its row's largest), summed exactly in int32, rows split over PyTorch's threads. int8 widens each
+  prefetch a few rows ahead) and summed exactly in int32, rows split over PyTorch's threads. int8
+  widens its weights to int16 in registers against the activations rounded to int16 with one scale per
+  row (``max |x| ↦ 32767``: finer than bf16 for every element within 128× of its row's largest). int4
+  multiplies its 4-bit values as bytes against the activations rounded to int8 with a scale per 32
+  inputs (``max |x| ↦ 127``, as llama.cpp's Q8_1 meets its Q4_1), twice the products per instruction:
+  int16 activations left it arithmetic-bound at ~10-14 GB/s of SmolLM2's weights on an AVX2 EPYC, this
+  reads them at the memory's speed (~21 GB/s; the rounding adds ~0.5% noise to a product, against
+  ~8% from the 4-bit weights; perplexity in docs/results.md). int8 widens each
   weight once for up to 4 rows of activations (a prompt, a batch, beams: SmolLM2's products 1.23–1.25×
   faster at 4 rows, 1.28–1.32× at 8, than a widening per row; two runs, docs/results.md). int4 has a layout of
-  its own, made from the portable one (:meth:`Int4Linear._own_tensors`): 4 nibbles per 16-bit word so
-  that a shift and a mask make them int16, and an fp16 scale and minimum per 32 inputs (as llama.cpp's
+  its own, made from the portable one (:meth:`Int4Linear._own_tensors`): per 64 inputs 32 bytes, input
+  i in byte i's low nibble and input 32 + i in its high one, so that a mask (and a shift) make 32 of them
+  bytes in order, and an fp16 scale and minimum per 32 inputs (as llama.cpp's
   Q4_1: 0.625 bytes per weight, against int8's 1). They are built with ``torch.utils.cpp_extension`` (a
   C++ compiler and ninja) on first use, cached on disk, and probed against the exact product; they need
   no particular shape (int4: groups that are a multiple of 32). Where they cannot build or
@@ -179,7 +185,7 @@ def _build_own_kernels() -> bool:
         t = layer._own_tensors()
         scaled, rest = (p[:, :77] for p in own_int4_parts(t["kernel_weight"], t["kernel_scales"], t["kernel_mins"]))
         err = (layer._own_product(x, **t).double() - F.linear(x.double(), scaled + rest)).abs()
-        ok = ok and bool((err <= own_kernel_error_bound(x, scaled, rest)).all())
+        ok = ok and bool((err <= int4_kernel_error_bound(x, scaled, rest)).all())
         if not ok:
             _once("own-wrong", "attnlab's quantised kernels give wrong results here: PyTorch's kernels instead")
         return ok
@@ -192,25 +198,28 @@ def _build_own_kernels() -> bool:
 def own_int4_parts(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
     """``attnlab::int4_matvec``'s layout (csrc/quant_matvec.cpp) as two (N, Kp) float64 matrices,
     ``q · scale`` and ``min``: their sum is the weight the kernel multiplies by (its oracle); only the
-    first meets the int16 activations."""
+    first meets the int8 activations."""
     N = weight.shape[0]
-    words = weight.view(N, -1, 32).view(torch.int16).int() & 0xFFFF  # (N, Kp/64, 16) little-endian words
-    nibbles = torch.stack([(words >> (4 * j)) & 15 for j in range(4)], dim=2)  # (N, Kp/64, 4: j, 16: i)
-    q = nibbles.view(N, -1, 4, 2, 8).transpose(2, 3).reshape(N, -1).double()  # input 64b + 32·(i≥8) + 8j + i%8
+    b = weight.view(N, -1, 1, 32).int()  # (N, Kp/64, 1, 32): byte i of 64 inputs holds inputs i and 32 + i
+    q = torch.cat([b & 15, b >> 4], dim=2).reshape(N, -1).double()  # (N, Kp)
     return q * scales.double().repeat_interleave(32, dim=1), mins.double().repeat_interleave(32, dim=1)
 
 
-def own_kernel_error_bound(x: torch.Tensor, scaled: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:
-    """How far attnlab's kernels may be from the exact product ``x @ (scaled + rest)ᵀ`` (M, N): the int16
-    rounding of the activations (:func:`int16_rounding_bound`) on the part that meets them, and fp32's
-    rounding (1e-5) of every product's size, cancellations included."""
+def int4_kernel_error_bound(x: torch.Tensor, scaled: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:
+    """How far ``attnlab::int4_matvec`` may be from the exact product ``x @ (scaled + rest)ᵀ`` (M, N): the
+    int8 rounding of the activations, half a step of each 32 inputs' grid (max |x| / 254), on the part that
+    meets them (``scaled``), and fp32's rounding (1e-5) of every product's size, cancellations included."""
+    M, K = x.shape
+    Kp = -(-K // 32) * 32
+    blocks = F.pad(x.abs().double(), (0, Kp - K)).view(M, -1, 32)  # (M, Kp/32, 32)
+    step = (blocks.amax(dim=2, keepdim=True) / 254).expand_as(blocks).reshape(M, Kp)[:, :K]  # (M, K)
     size = x.abs().double() @ (scaled.abs() + (0 if rest is None else rest.abs())).t()
-    return int16_rounding_bound(x, scaled, torch.ones(scaled.shape[0], dtype=torch.float64)) + 1e-5 * size
+    return step @ scaled.abs().t() + 1e-5 * size
 
 
 def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """How far ``attnlab::int8_matvec`` may be from the exact product (M, N) (``int4_matvec``:
-    :func:`own_kernel_error_bound`): each activation moves by at most half a step of its row's int16 grid
+    :func:`int4_kernel_error_bound`): each activation moves by at most half a step of its row's int16 grid
     (max |x| / 65534), each product by that times |w|·scale."""
     step = x.abs().double().amax(dim=1, keepdim=True) / 65534  # (M, 1)
     return step * (w.abs().double().sum(dim=1) * scales.abs().double())  # (M, N)
@@ -537,17 +546,16 @@ class Int4Linear(_QuantLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, self.group_size, scales_and_zeros)
 
     def _own_tensors(self) -> dict | None:
-        """attnlab::int4_matvec's layout (csrc/quant_matvec.cpp): per 64 inputs 16 words of 4 nibbles, an
-        fp16 scale and minimum per 32 inputs, ``W = q · scale + min``. None where that kernel cannot take
-        this layer: groups that are no multiple of 32, or a scale or minimum beyond fp16's range."""
+        """attnlab::int4_matvec's layout (csrc/quant_matvec.cpp): per 64 inputs 32 bytes, byte i holding
+        input i (low nibble) and input 32 + i (high), an fp16 scale and minimum per 32 inputs,
+        ``W = q · scale + min``. None where that kernel cannot take this layer: groups that are no multiple
+        of 32, or a scale or minimum beyond fp16's range."""
         if self.group_size % 32:
             return None
         N, K = self.out_features, self.in_features
         Kp = -(-K // 64) * 64
-        q = F.pad(self.unpacked()[:, :K], (0, Kp - K))  # (N, Kp)
-        q = q.view(N, -1, 2, 4, 8).transpose(2, 3).reshape(N, -1, 4, 16).to(torch.int32)  # (N, Kp/64, j, i)
-        words = q[:, :, 0] | (q[:, :, 1] << 4) | (q[:, :, 2] << 8) | (q[:, :, 3] << 12)  # (N, Kp/64, 16)
-        weight = words.to(torch.int16).view(torch.uint8).reshape(N, Kp // 2)  # little-endian, as the kernel reads
+        q = F.pad(self.unpacked()[:, :K], (0, Kp - K)).view(N, -1, 2, 32)  # (N, Kp/64, 2, 32)
+        weight = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, Kp // 2)
         scale, zero = self.scales_and_zeros.float().unbind(-1)  # (G, N) each
         per32 = lambda t: F.pad(t.t().repeat_interleave(self.group_size // 32, dim=1)[:, : -(-K // 32)],
                                 (0, Kp // 32 - -(-K // 32)))  # (N, Kp/32): padding 0

@@ -10,7 +10,8 @@
 // bf16 activations and AVX-512; capped at AVX2 they read SmolLM2's int8 weights at ~7 and ~20 GB/s.
 // Here each weight row is read once, 64 int8 at a time, widened to int16 and multiplied against the row
 // of activations rounded to int16 (one scale per row, finer than bf16's rounding for all but tiny
-// elements), summed exactly in int32, the rows split over PyTorch's own threads. Built on first use by
+// elements), summed exactly in int32, the rows split over PyTorch's own threads. The int4 kernel rounds the
+// activations to int8 per 32 inputs instead (see above int4_matvec). Built on first use by
 // torch.utils.cpp_extension (attnlab.quant._build_own_kernels).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -192,56 +193,75 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 // -- int4 ------------------------------------------------------------------------------------------------
 //
-// Layout (made by attnlab.quant.Int4Linear._own_tensors from the portable one), chosen so that the 4-bit
-// values become int16 with one shift and one mask each, and no shuffle:
-//   w (N, Kp/2) uint8, Kp = K rounded up to 64: 64 inputs per 32 bytes, read as 16 uint16 words; nibble j
-//     (bits 4j…4j+3) of word i holds input 8j + i of the block's first 32 inputs for i < 8, and input
-//     8j + (i - 8) of its last 32 for i ≥ 8;
+// Layout (made by attnlab.quant.Int4Linear._own_tensors from the portable one), chosen so that one mask gives
+// 32 of the 4-bit values as bytes in order, and a shift and the mask the next 32:
+//   w (N, Kp/2) uint8, Kp = K rounded up to 64: per 64 inputs 32 bytes, byte i holding input i in its low
+//     nibble and input 32 + i in its high one;
 //   scales, mins (N, Kp/32) fp16, one per 32 inputs: W[n, k] = q · scale + min with q in 0…15 (a group of
 //     64 or 128 inputs repeats its scale and min; the padding has q = scale = min = 0).
 // fp16 scales (as in llama.cpp's Q4_1 blocks) make 32 weights 20 bytes: 0.625 bytes per weight, against
 // int8's 1.
 //
-// Per row: Σ_k W x = Σ_b scale_b · Σ_{k∈b} q_k x_k + Σ_b min_b · Σ_{k∈b} x_k. The first sum runs on the int16
-// activations, rounded as in int8_matvec and put in the order of the nibbles once per call (exact int32
-// sums per 64 inputs, ≤ 8 · 15 · 32767 per lane, so exact in fp32 too); the sums of x per 32 inputs are fp32
-// sums of the activations themselves.
+// Per row: Σ_k W x = Σ_b scale_b · Σ_{k∈b} q_k x_k + Σ_b min_b · Σ_{k∈b} x_k over the 32-input blocks b. The
+// first sum runs on the activations rounded to int8 with a scale per 32 inputs (max |x| ↦ 127: llama.cpp's
+// Q8_1, which its Q4_1 products meet), because vpmaddubsw multiplies 32 unsigned bytes by 32 signed ones at
+// once: twice the products per instruction of int16's vpmaddwd. The int16 activations of the int8 kernel
+// made this kernel arithmetic-bound at ~10-14 GB/s of SmolLM2's weights (two threads, AVX2 EPYC); this one
+// reads them at the memory's speed (~21 GB/s there, 1.26-1.38x; docs/results.md). The rounding moves each
+// activation by at most max|x| / 254 of its block: ~0.5% noise on a product, against ~8% from the 4-bit
+// weights themselves. Each block's products are summed exactly (int16 pairs ≤ 2 · 15 · 127, then ≤ 8 of
+// them, then int32) and scaled in fp32 by scale_b · xscale_b; the sums of x per 32 inputs are fp32 sums of
+// the activations themselves.
 constexpr int64_t kInt4Block = 64;
 
-// One row: xscale · Σ_b scale_b · Σ_{k∈b} q_k xq_k + Σ_b min_b · xsum_b, over the 32-input blocks b of the
-// row, xq in the nibbles' order and xsum as 8 floats per 64 inputs (lane 0: the first 32's sum, lane 4: the
-// last 32's, the others 0). The scales and minimums of 4 × 64 inputs are read as 8 fp16 at once: at a row's
-// end that reads up to 7 values past it (the next row's, or a padded copy for the last row), which no lane
-// uses. Two accumulators, so that consecutive blocks' multiply-adds do not wait for each other.
-float dot_int4(const int16_t* xq, const float* xsum, float xscale, const uint8_t* w, const at::Half* scales,
-               const at::Half* mins, int64_t blocks) {
-  const __m256i mask = _mm256_set1_epi16(0x000F);
-  static const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                                  _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_min = _mm256_setzero_ps();
-  for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
-    const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * b0)));
-    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + 2 * b0)));
-    for (int64_t t = 0; t < std::min<int64_t>(4, blocks - b0); ++t) {
-      const int64_t b = b0 + t;
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * b));
-      const int16_t* x = xq + kInt4Block * b;
-      const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, mask), load16(x)),
-                                           _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), load16(x + 16)));
-      const __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), mask), load16(x + 32)),
-                                           _mm256_madd_epi16(_mm256_srli_epi16(v, 12), load16(x + 48)));
-      // lanes 0-3 hold the first 32 inputs' sum, lanes 4-7 the last 32's
-      acc[t & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s01, s23)), _mm256_permutevar8x32_ps(s8, pick[t]), acc[t & 1]);
-      acc_min = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(m8, pick[t]), _mm256_loadu_ps(xsum + 8 * b), acc_min);
-    }
-  }
-  return horizontal_sum(_mm256_fmadd_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_set1_ps(xscale), acc_min));
+// 64 inputs' products: 32 bytes of w against 64 int8 activations, as two vectors of 16 int16 pair sums
+// (the first 32 inputs', the last 32's)
+inline void products64(const uint8_t* w, const int8_t* x, __m256i& first, __m256i& last) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  first = _mm256_maddubs_epi16(_mm256_and_si256(v, mask), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  last = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
 }
 
-// where input k of a row sits in the nibbles' order
-inline int64_t nibble_position(int64_t k) {
-  const int64_t b = k / kInt4Block, r = k % kInt4Block, half = r / 32, j = (r % 32) / 8, i = r % 8 + 8 * half;
-  return kInt4Block * b + 16 * j + i;
+// One row: Σ_b scale_b · xscale_b · Σ_{k∈b} q_k xq_k + Σ_b min_b · xsum_b over its G 32-input blocks (G even).
+// Eight blocks at a time: their scales times the activations' in one vector; four blocks' sums in one vector
+// by two pairwise additions in int16 (hadd: lanes [b0 b1 b2 b3 | b0 b1 b2 b3], the halves of each block's
+// inputs), so that one conversion and one multiply-add serve four blocks.
+float dot_int4(const int8_t* xq, const float* xscale, const float* xsum, const uint8_t* w, const at::Half* scales,
+               const at::Half* mins, int64_t G) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i first4 = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), last4 = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= G; b += 8) {
+    const __m256 c = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b))),
+                                   _mm256_loadu_ps(xscale + b));
+    acc_min = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b))),
+                              _mm256_loadu_ps(xsum + b), acc_min);
+    __m256i p[8];
+    for (int t = 0; t < 8; t += 2) products64(w + 16 * (b + t), xq + 32 * (b + t), p[t], p[t + 1]);
+    const __m256i s0 = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])), ones);
+    const __m256i s1 = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7])), ones);
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_permutevar8x32_ps(c, first4), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_permutevar8x32_ps(c, last4), acc1);
+  }
+  float tail = 0.f;
+  for (; b < G; b += 2) {  // two blocks at a time: lanes [b b b+1 b+1 | b b b+1 b+1]
+    __m256i p0, p1;
+    products64(w + 16 * b, xq + 32 * b, p0, p1);
+    const float c0 = static_cast<float>(scales[b]) * xscale[b], c1 = static_cast<float>(scales[b + 1]) * xscale[b + 1];
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), ones)),
+                           _mm256_setr_ps(c0, c0, c1, c1, c0, c0, c1, c1), acc0);
+    tail += static_cast<float>(mins[b]) * xsum[b] + static_cast<float>(mins[b + 1]) * xsum[b + 1];
+  }
+  return horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), acc_min)) + tail;
+}
+
+// input k's 4-bit value in a row of the layout
+inline int nibble(const uint8_t* row, int64_t k) {
+  const uint8_t byte = row[k / kInt4Block * 32 + k % 32];
+  return k % kInt4Block < 32 ? byte & 15 : byte >> 4;
 }
 
 // The (N, Kp) fp32 weight of the layout, for many rows of x
@@ -250,14 +270,10 @@ at::Tensor dequantize_int4(const uint8_t* w, const at::Half* scales, const at::H
   float* op = out.data_ptr<float>();
   const int64_t G = Kp / 32;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint16_t* words = reinterpret_cast<const uint16_t*>(w + n * Kp / 2);
-      for (int64_t k = 0; k < Kp; ++k) {
-        const int64_t pos = nibble_position(k);
-        const int q = (words[pos / 64 * 16 + pos % 16] >> (4 * ((pos % 64) / 16))) & 15;
-        op[n * Kp + k] = static_cast<float>(q) * static_cast<float>(scales[n * G + k / 32]) + static_cast<float>(mins[n * G + k / 32]);
-      }
-    }
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < Kp; ++k)
+        op[n * Kp + k] = static_cast<float>(nibble(w + n * Kp / 2, k)) * static_cast<float>(scales[n * G + k / 32])
+                         + static_cast<float>(mins[n * G + k / 32]);
   });
   return out;
 }
@@ -281,51 +297,45 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = Kp / kInt4Block;
-  // each row of x as int16 (as in int8_matvec) in the nibbles' order, zero past K, and its sums per 32
-  std::vector<int16_t> xq(M * Kp, 0);
-  std::vector<float> xscale(M, 0.f), xsum(M * blocks * 8, 0.f);
+  // each row of x as int8 with a scale per 32 inputs (zero past K), and its sums per 32; a row that is not
+  // finite is marked (NaN first scale) and takes the float product, so that NaN and inf come out as they would
+  std::vector<int8_t> xq(M * Kp, 0);
+  std::vector<float> xscale(M * G, 0.f), xsum(M * G, 0.f);
+  std::vector<char> finite(M, 1);
   for (int64_t m = 0; m < M; ++m) {
-    const float* xr = xp + m * K;
-    float big = 0.f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      big = std::max(big, std::fabs(xr[k]));
-      finite = finite && std::isfinite(xr[k]);
-      xsum[m * blocks * 8 + k / 32 * 4] += xr[k];  // k / 64 · 8 + 4 · (k % 64 ≥ 32)
+    for (int64_t b = 0; b * 32 < K; ++b) {
+      const float* xb = xp + m * K + b * 32;
+      const int64_t n = std::min<int64_t>(32, K - b * 32);
+      float big = 0.f, sum = 0.f;
+      for (int64_t k = 0; k < n; ++k) {
+        big = std::max(big, std::fabs(xb[k]));
+        sum += xb[k];
+        finite[m] = finite[m] && std::isfinite(xb[k]);
+      }
+      xscale[m * G + b] = big / 127.f;
+      xsum[m * G + b] = sum;
+      const float inv = big > 0.f ? 127.f / big : 0.f;
+      for (int64_t k = 0; k < n; ++k) xq[m * Kp + b * 32 + k] = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
     }
-    if (!finite) { xscale[m] = NAN; continue; }
-    xscale[m] = big > 0.f ? big / 32767.f : 1.f;
-    const float inv = 1.f / xscale[m];
-    for (int64_t k = 0; k < K; ++k) xq[m * Kp + nibble_position(k)] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
   }
   const int64_t row_bytes = Kp / 2;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(row_bytes, 1));
-  // the last row's scales and minimums, padded: dot_int4 reads up to 7 values past a row's end
-  std::vector<at::Half> last(2 * (G + 8), at::Half(0.f));
-  if (N > 0) {
-    std::copy(sp + (N - 1) * G, sp + N * G, last.begin());
-    std::copy(mp + (N - 1) * G, mp + N * G, last.begin() + G + 8);
-  }
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = wp + n * row_bytes;
-      const at::Half* sr = n + 1 < N ? sp + n * G : last.data();
-      const at::Half* mr = n + 1 < N ? mp + n * G : last.data() + G + 8;
+      const at::Half* sr = sp + n * G;
+      const at::Half* mr = mp + n * G;
       if (n + kAheadRows < n1)  // the memory's own prefetcher alone leaves it waiting (measured)
         for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + kAheadRows * row_bytes + off), _MM_HINT_T0);
       for (int64_t m = 0; m < M; ++m) {
-        if (std::isnan(xscale[m])) {  // not finite: plain float, so that NaN and inf come out as they would
+        if (!finite[m]) {  // plain float, so that NaN and inf come out as they would
           float s = 0.f;
-          for (int64_t k = 0; k < K; ++k) {
-            const int64_t pos = nibble_position(k);
-            const int q = (reinterpret_cast<const uint16_t*>(wr)[pos / 64 * 16 + pos % 16] >> (4 * ((pos % 64) / 16))) & 15;
-            s += (static_cast<float>(q) * static_cast<float>(sr[k / 32]) + static_cast<float>(mr[k / 32])) * xp[m * K + k];
-          }
+          for (int64_t k = 0; k < K; ++k)
+            s += (static_cast<float>(nibble(wr, k)) * static_cast<float>(sr[k / 32]) + static_cast<float>(mr[k / 32])) * xp[m * K + k];
           yp[m * N + n] = s;
           continue;
         }
-        yp[m * N + n] = dot_int4(xq.data() + m * Kp, xsum.data() + m * blocks * 8, xscale[m], wr, sr, mr, blocks);
+        yp[m * N + n] = dot_int4(xq.data() + m * Kp, xscale.data() + m * G, xsum.data() + m * G, wr, sr, mr, G);
       }
     }
   });
