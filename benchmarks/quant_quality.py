@@ -16,7 +16,7 @@ bf16=..., quantize=...)``, the path of ``attnlab generate --quantize``.
   through it (the KV cache's path), greedy agreement, speed.
 
 Rows ``int8``/``int4`` keep fp32 activations (on x86 PyTorch's decoding kernels still compute in bf16,
-attnlab's own AVX2 ones round them, int8's to int16 per row, int4's to int8 per 32 inputs: see
+attnlab's own AVX2 ones round them, int8's to int16 per row, int4's to int8 per 16 inputs: see
 attnlab/quant.py); ``int8+bf16``/``int4+bf16`` load with
 ``bf16=True`` as well. ``int4`` keeps the output projection at int8 (attnlab's default);
 ``int4/head-int4`` quantises it to int4 too.
@@ -231,7 +231,7 @@ def main():
           f"{args.new} greedy tokens; decoding kernels (in {kernel_dtype(torch.float32)}): "
           + ", ".join(f"{k} {'yes' if v else 'no (eager)'}" for k, v in kernels.items())
           + (f"; attnlab's own AVX2 kernels for up to {own_kernel_max_rows('int8')} (int8) and "
-             f"{own_kernel_max_rows('int4')} (int4) rows (fp32 in; activations int16 per row, int4: int8 per 32 inputs)"
+             f"{own_kernel_max_rows('int4')} (int4) rows (fp32 in; activations int16 per row, int4: int8 per 16 inputs)"
              if own_kernels() else "") + "\n")
     cols = ["config", "weights", "activations", "weight_MB", "ppl", "ppl_vs_fp32", "top1_same", "greedy_same_prefix",
             "greedy_identical", "decode_tok_s"]

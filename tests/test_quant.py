@@ -633,7 +633,7 @@ def test_compiled_int4_step_on_avx2_takes_attnlabs_kernels_and_matches_eager(tmp
     """On AVX2 (here a child process capped at AVX2, with an inductor cache of its own) every product of
     a compiled int4 step (int4 layers, int8 head) is attnlab's own kernel, where it can be built, and the
     step's logits are the eager fp32 ones to its kernels' rounding (activations int16 per row for int8, int8
-    per 32 inputs for int4: ~0.5% noise a product) and fp16 scales."""
+    per 16 inputs for int4: ~0.6% error a product) and fp16 scales."""
     import subprocess
     import sys
     env = {**os.environ, **accel.AVX2_ENVIRONMENT, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
@@ -687,7 +687,7 @@ def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
                                          (9, 100, 40, 32), (40, 576, 96, 64), (70, 100, 40, 32), (65, 576, 96, 64)])
 def test_own_int4_kernel_is_the_product_to_its_int8_rounding(M, K, N, group):
     """attnlab::int4_matvec against the product in float64 of the weight its layout stands for: within
-    the int8 rounding of the activations per 32 inputs (on q·scale, the part that meets them) and fp32's of
+    the int8 rounding of the activations per 16 inputs (on q·scale, the part that meets them) and fp32's of
     each product; and, tighter, equal to fp32's rounding to that product with the activations rounded by
     hand as the kernel rounds them. That weight is the layer's own to fp16's rounding of scale and minimum,
     exactly so where they are fp16 values (a GGUF's Q4_1 blocks). Every tail: inputs no multiple of 64 or
@@ -711,9 +711,9 @@ def test_own_int4_kernel_is_the_product_to_its_int8_rounding(M, K, N, group):
     assert out.dtype == torch.float32 and out.shape == (M, N)
     assert bool(((out.double() - ref).abs() <= quant.int4_kernel_error_bound(x, scaled, rest)).all())
     size = x.abs().double() @ (scaled.abs() + rest.abs()).t()
-    if M <= 64:  # the activations rounded by hand: int8 per 32 inputs, max |x| ↦ 127, half to even
-        Kp = -(-K // 32) * 32
-        xb = F.pad(x, (0, Kp - K)).view(M, -1, 32)
+    if M <= 64:  # the activations rounded by hand: int8 per 16 inputs, max |x| ↦ 127, half to even
+        Kp = -(-K // 16) * 16
+        xb = F.pad(x, (0, Kp - K)).view(M, -1, 16)
         big = xb.abs().amax(dim=2, keepdim=True)
         q = torch.round(xb * torch.where(big > 0, 127.0 / big, torch.zeros(())))
         rounded = (q.double() * (big / 127.0).double()).view(M, Kp)[:, :K]
@@ -889,7 +889,7 @@ def test_compiled_step_with_attnlabs_kernels_matches_the_eager_step(monkeypatch)
             with _exact_products():
                 a = eager.step(tok)
             b = compiled.step(tok)
-            # int4 rounds the activations to int8 per 32 inputs (~0.5% noise a product), int8 to int16 per row
+            # int4 rounds the activations to int8 per 16 inputs (~0.6% error a product), int8 to int16 per row
             torch.testing.assert_close(b, a, rtol=2e-3, atol=1e-2 * a.abs().max().item())
             tok = a.argmax(-1, keepdim=True)
 

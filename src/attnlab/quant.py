@@ -61,11 +61,12 @@ forces):
   prefetch a few rows ahead) and summed exactly in int32, rows split over PyTorch's threads. int8
   widens its weights to int16 in registers against the activations rounded to int16 with one scale per
   row (``max |x| ↦ 32767``: finer than bf16 for every element within 128× of its row's largest). int4
-  multiplies its 4-bit values as bytes against the activations rounded to int8 with a scale per 32
-  inputs (``max |x| ↦ 127``, as llama.cpp's Q8_1 meets its Q4_1), twice the products per instruction:
-  int16 activations left it arithmetic-bound at ~10-14 GB/s of SmolLM2's weights on an AVX2 EPYC, this
-  reads them at the memory's speed (~21 GB/s; the rounding adds ~0.5% noise to a product, against
-  ~8% from the 4-bit weights; perplexity in docs/results.md). int8 widens each
+  multiplies its 4-bit values as bytes against the activations rounded to int8 with a scale per 16
+  inputs (``max |x| ↦ 127``, as llama.cpp's Q8_1 meets its Q4_1, with half its block), twice the products
+  per instruction: int16 activations left it arithmetic-bound at ~10-14 GB/s of SmolLM2's weights on an
+  AVX2 EPYC, this reads them at the memory's speed (~21 GB/s). The price is precision: ~0.6% error on
+  SmolLM2's products (int16: 0.01%), which its perplexity and greedy agreement show (docs/results.md,
+  thirty-sixth session). int8 widens each
   weight once for up to 4 rows of activations (a prompt, a batch, beams: SmolLM2's products 1.23–1.25×
   faster at 4 rows, 1.28–1.32× at 8, than a widening per row; two runs, docs/results.md). int4 has a layout of
   its own, made from the portable one (:meth:`Int4Linear._own_tensors`): per 64 inputs 32 bytes, input
@@ -207,11 +208,11 @@ def own_int4_parts(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
 
 def int4_kernel_error_bound(x: torch.Tensor, scaled: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:
     """How far ``attnlab::int4_matvec`` may be from the exact product ``x @ (scaled + rest)ᵀ`` (M, N): the
-    int8 rounding of the activations, half a step of each 32 inputs' grid (max |x| / 254), on the part that
+    int8 rounding of the activations, half a step of each 16 inputs' grid (max |x| / 254), on the part that
     meets them (``scaled``), and fp32's rounding (1e-5) of every product's size, cancellations included."""
     M, K = x.shape
-    Kp = -(-K // 32) * 32
-    blocks = F.pad(x.abs().double(), (0, Kp - K)).view(M, -1, 32)  # (M, Kp/32, 32)
+    Kp = -(-K // 16) * 16
+    blocks = F.pad(x.abs().double(), (0, Kp - K)).view(M, -1, 16)  # (M, Kp/16, 16)
     step = (blocks.amax(dim=2, keepdim=True) / 254).expand_as(blocks).reshape(M, Kp)[:, :K]  # (M, K)
     size = x.abs().double() @ (scaled.abs() + (0 if rest is None else rest.abs())).t()
     return step @ scaled.abs().t() + 1e-5 * size

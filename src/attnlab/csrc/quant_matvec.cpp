@@ -203,15 +203,15 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // int8's 1.
 //
 // Per row: Σ_k W x = Σ_b scale_b · Σ_{k∈b} q_k x_k + Σ_b min_b · Σ_{k∈b} x_k over the 32-input blocks b. The
-// first sum runs on the activations rounded to int8 with a scale per 32 inputs (max |x| ↦ 127: llama.cpp's
-// Q8_1, which its Q4_1 products meet), because vpmaddubsw multiplies 32 unsigned bytes by 32 signed ones at
-// once: twice the products per instruction of int16's vpmaddwd. The int16 activations of the int8 kernel
+// first sum runs on the activations rounded to int8 with a scale per 16 inputs (max |x| ↦ 127: as llama.cpp's
+// Q8_1, which its Q4_1 products meet, with half its block), because vpmaddubsw multiplies 32 unsigned bytes by
+// 32 signed ones at once: twice the products per instruction of int16's vpmaddwd. The int16 activations of the int8 kernel
 // made this kernel arithmetic-bound at ~10-14 GB/s of SmolLM2's weights (two threads, AVX2 EPYC); this one
 // reads them at the memory's speed (~21 GB/s there, 1.26-1.38x; docs/results.md). The rounding moves each
-// activation by at most max|x| / 254 of its block: ~0.5% noise on a product, against ~8% from the 4-bit
-// weights themselves. Each block's products are summed exactly (int16 pairs ≤ 2 · 15 · 127, then ≤ 8 of
-// them, then int32) and scaled in fp32 by scale_b · xscale_b; the sums of x per 32 inputs are fp32 sums of
-// the activations themselves.
+// activation by at most max|x| / 254 of its 16: ~0.6% error on SmolLM2's products (0.8% with 32 inputs per
+// scale, as Q8_1; 0.01% with int16), against ~8% from rounding its weights to 4 bits. Each half block's
+// products are summed exactly (int16 pairs ≤ 2 · 15 · 127, then ≤ 8 of them, then int32) and scaled in fp32
+// by scale_b · xscale; the sums of x per 32 inputs are fp32 sums of the activations themselves.
 constexpr int64_t kInt4Block = 64;
 
 // 64 inputs' products: 32 bytes of w against 64 int8 activations, as two vectors of 16 int16 pair sums
@@ -224,35 +224,37 @@ inline void products64(const uint8_t* w, const int8_t* x, __m256i& first, __m256
                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
 }
 
-// One row: Σ_b scale_b · xscale_b · Σ_{k∈b} q_k xq_k + Σ_b min_b · xsum_b over its G 32-input blocks (G even).
-// Eight blocks at a time: their scales times the activations' in one vector; four blocks' sums in one vector
-// by two pairwise additions in int16 (hadd: lanes [b0 b1 b2 b3 | b0 b1 b2 b3], the halves of each block's
-// inputs), so that one conversion and one multiply-add serve four blocks.
+// One row: Σ_b scale_b · Σ_{h∈b} xscale_h · Σ_{k∈h} q_k xq_k + Σ_b min_b · xsum_b over its G 32-input blocks b
+// (G even) and their halves h, the activations' scales as 8 for the first halves of 8 blocks, then 8 for their
+// last halves. Eight blocks at a time: their scales times the activations' in two vectors; four blocks' sums in
+// one vector by two pairwise additions in int16 (hadd: lanes [b0 b1 b2 b3 | b0 b1 b2 b3], the first and the
+// last 16 inputs of each block), so that one conversion and one multiply-add serve four blocks.
 float dot_int4(const int8_t* xq, const float* xscale, const float* xsum, const uint8_t* w, const at::Half* scales,
                const at::Half* mins, int64_t G) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i first4 = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), last4 = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 8 <= G; b += 8) {
-    const __m256 c = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b))),
-                                   _mm256_loadu_ps(xscale + b));
+    const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b)));
+    const __m256 first = _mm256_mul_ps(sw, _mm256_loadu_ps(xscale + 2 * b)), last = _mm256_mul_ps(sw, _mm256_loadu_ps(xscale + 2 * b + 8));
     acc_min = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b))),
                               _mm256_loadu_ps(xsum + b), acc_min);
     __m256i p[8];
     for (int t = 0; t < 8; t += 2) products64(w + 16 * (b + t), xq + 32 * (b + t), p[t], p[t + 1]);
     const __m256i s0 = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])), ones);
     const __m256i s1 = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7])), ones);
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_permutevar8x32_ps(c, first4), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_permutevar8x32_ps(c, last4), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_permute2f128_ps(first, last, 0x20), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_permute2f128_ps(first, last, 0x31), acc1);
   }
   float tail = 0.f;
-  for (; b < G; b += 2) {  // two blocks at a time: lanes [b b b+1 b+1 | b b b+1 b+1]
+  for (; b < G; b += 2) {  // two blocks at a time (the scales as 2 first halves, 2 last): lanes [b b b+1 b+1 | …]
     __m256i p0, p1;
     products64(w + 16 * b, xq + 32 * b, p0, p1);
-    const float c0 = static_cast<float>(scales[b]) * xscale[b], c1 = static_cast<float>(scales[b + 1]) * xscale[b + 1];
+    const float s0 = static_cast<float>(scales[b]), s1 = static_cast<float>(scales[b + 1]);
+    const float* h = xscale + 2 * b;
     acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), ones)),
-                           _mm256_setr_ps(c0, c0, c1, c1, c0, c0, c1, c1), acc0);
+                           _mm256_setr_ps(s0 * h[0], s0 * h[0], s1 * h[1], s1 * h[1], s0 * h[2], s0 * h[2], s1 * h[3], s1 * h[3]),
+                           acc0);
     tail += static_cast<float>(mins[b]) * xsum[b] + static_cast<float>(mins[b + 1]) * xsum[b + 1];
   }
   return horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), acc_min)) + tail;
@@ -297,25 +299,29 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // each row of x as int8 with a scale per 32 inputs (zero past K), and its sums per 32; a row that is not
-  // finite is marked (NaN first scale) and takes the float product, so that NaN and inf come out as they would
+  // each row of x as int8 with a scale per 16 inputs (zero past K; the scales in dot_int4's order: per 8
+  // blocks of 32, their first halves', then their last halves'), and its sums per 32; a row that is not
+  // finite takes the float product, so that NaN and inf come out as they would
   std::vector<int8_t> xq(M * Kp, 0);
-  std::vector<float> xscale(M * G, 0.f), xsum(M * G, 0.f);
+  std::vector<float> xscale(M * 2 * G, 0.f), xsum(M * G, 0.f);
   std::vector<char> finite(M, 1);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b * 32 < K; ++b) {
-      const float* xb = xp + m * K + b * 32;
-      const int64_t n = std::min<int64_t>(32, K - b * 32);
+    for (int64_t h = 0; h * 16 < K; ++h) {
+      const float* xh = xp + m * K + h * 16;
+      const int64_t n = std::min<int64_t>(16, K - h * 16), b = h / 2;
       float big = 0.f, sum = 0.f;
       for (int64_t k = 0; k < n; ++k) {
-        big = std::max(big, std::fabs(xb[k]));
-        sum += xb[k];
-        finite[m] = finite[m] && std::isfinite(xb[k]);
+        big = std::max(big, std::fabs(xh[k]));
+        sum += xh[k];
+        finite[m] = finite[m] && std::isfinite(xh[k]);
       }
-      xscale[m * G + b] = big / 127.f;
-      xsum[m * G + b] = sum;
+      // blocks b of a full 8 at b0 = b - b % 8: first halves at 2·b0 + b % 8, last at 2·b0 + 8 + b % 8;
+      // the blocks left (fewer than 8, taken 2 at a time): first halves at 2·b0 + b % 2, last + 2
+      const int64_t b0 = b / 8 * 8 <= G - 8 ? b / 8 * 8 : b / 2 * 2, width = b / 8 * 8 <= G - 8 ? 8 : 2;
+      xscale[m * 2 * G + 2 * b0 + (h % 2) * width + (b - b0)] = big / 127.f;
+      xsum[m * G + b] += sum;
       const float inv = big > 0.f ? 127.f / big : 0.f;
-      for (int64_t k = 0; k < n; ++k) xq[m * Kp + b * 32 + k] = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
+      for (int64_t k = 0; k < n; ++k) xq[m * Kp + h * 16 + k] = static_cast<int8_t>(std::nearbyint(xh[k] * inv));
     }
   }
   const int64_t row_bytes = Kp / 2;
@@ -335,7 +341,7 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
           yp[m * N + n] = s;
           continue;
         }
-        yp[m * N + n] = dot_int4(xq.data() + m * Kp, xscale.data() + m * G, xsum.data() + m * G, wr, sr, mr, G);
+        yp[m * N + n] = dot_int4(xq.data() + m * Kp, xscale.data() + m * 2 * G, xsum.data() + m * G, wr, sr, mr, G);
       }
     }
   });
