@@ -113,9 +113,10 @@ KERNEL_MAX_ROWS = {"int8": 64, "int4": 64}
 # SmolLM2's products, 2 threads (`benchmarks/linear_kernels.py --quantized-rows`, docs/results.md,
 # "thirteenth session"): int8 up to 64 rows, 1.4-5.1x, on AVX-512 and under the AVX2 cap (the layer's
 # path without them leaves PyTorch's int8 kernel past KERNEL_MAX_ROWS["int8"] and dequantises per call);
-# int4 up to 8 rows under AVX2 (level at 8), but where PyTorch's int4 kernel runs AVX-512 it is faster
-# from 3 rows on.
-OWN_KERNEL_MAX_ROWS = {"AVX2": {"int8": 64, "int4": 8}, "AVX512": {"int8": 64, "int4": 2}}  # by PyTorch's capability
+# int4 on bytes (thirty-sixth session, native AVX2 EPYC) up to 64 rows, 1.34-2.01x (its int16 form was
+# level at 8 under the AVX2 cap); where PyTorch's int4 kernel runs AVX-512 it was faster from 3 rows on
+# (timed against the int16 form; not re-timed).
+OWN_KERNEL_MAX_ROWS = {"AVX2": {"int8": 64, "int4": 64}, "AVX512": {"int8": 64, "int4": 2}}  # by PyTorch's capability
 
 
 def own_kernel_max_rows(kind: str) -> int:
