@@ -687,9 +687,8 @@ def test_own_int8_kernel_is_the_product_to_its_int16_rounding(M, K, N):
                                          (9, 100, 40, 32), (40, 576, 96, 64), (70, 100, 40, 32), (65, 576, 96, 64)])
 def test_own_int4_kernel_is_the_product_to_its_int8_rounding(M, K, N, group):
     """attnlab::int4_matvec against the product in float64 of the weight its layout stands for: within
-    the int8 rounding of the activations per 16 inputs (on q·scale, the part that meets them) and fp32's of
-    each product; and, tighter, equal to fp32's rounding to that product with the activations rounded by
-    hand as the kernel rounds them. That weight is the layer's own to fp16's rounding of scale and minimum,
+    the int8 rounding of the activations per 16 inputs and fp32's of each product; and, tighter, equal to
+    fp32's rounding to that product with the activations rounded by hand as the kernel rounds them. That weight is the layer's own to fp16's rounding of scale and minimum,
     exactly so where they are fp16 values (a GGUF's Q4_1 blocks). Every tail: inputs no multiple of 64 or
     of a group, groups of 64 and 128, fewer than 8 blocks left at a row's end, rows split over threads, up
     to 64 rows; past 64 rows the dense product of the layout's weight dequantised."""
@@ -717,7 +716,7 @@ def test_own_int4_kernel_is_the_product_to_its_int8_rounding(M, K, N, group):
         big = xb.abs().amax(dim=2, keepdim=True)
         q = torch.round(xb * torch.where(big > 0, 127.0 / big, torch.zeros(())))
         rounded = (q.double() * (big / 127.0).double()).view(M, Kp)[:, :K]
-        by_hand = rounded @ scaled.t() + x.double() @ rest.t()
+        by_hand = rounded @ (scaled + rest).t()  # the minimums too meet the rounded activations
         assert bool(((out.double() - by_hand).abs() <= 1e-6 * size).all())
     else:  # the dequantised weight's dense product: the activations as they are
         assert bool(((out.double() - ref).abs() <= 1e-5 * size).all())
@@ -732,7 +731,7 @@ def test_own_int4_kernel_is_the_product_to_its_int8_rounding(M, K, N, group):
 
 @needs_own_kernel
 def test_own_kernels_neither_overflow_nor_hide_a_nan():
-    """The largest products (127 · 32767, or 15 · 32767, 20,000 of them, in one row or in rows taken together)
+    """The largest products (int8: 127 · 32767; int4: 15 · 127; 20,000 of them, in one row or in rows taken together)
     overflow no int32 sum, and a row with a NaN or an inf gives NaN/inf like the float product, not a number."""
     assert quant._build_own_kernels()
     w = torch.full((3, 20000), 127, dtype=torch.int8)
@@ -754,8 +753,15 @@ def test_own_kernels_neither_overflow_nor_hide_a_nan():
     alone = torch.cat([torch.ops.attnlab.int8_matvec(x7[m:m + 1], w8, torch.ones(5)) for m in range(7)])
     assert out[2].isnan().all() and torch.equal(out[[0, 1, 3, 4, 5, 6]], alone[[0, 1, 3, 4, 5, 6]])
     pos = torch.ones(5, 2, dtype=torch.half)
-    out = torch.ops.attnlab.int4_matvec(x, torch.randint(0, 256, (5, 32), dtype=torch.uint8), pos, pos)
+    w4 = torch.randint(0, 256, (5, 32), dtype=torch.uint8)
+    out = torch.ops.attnlab.int4_matvec(x, w4, pos, pos)
     assert out[0].isfinite().all() and out[1].isnan().all() and (out[2] == float("inf")).all()
+    tiny = torch.full((2, 64), 1e-38)  # 127 / 1e-38 is no fp32: such a 16 counts as zeros, not as garbage
+    tiny[1, :16] = 1.0  # (beside a 16 of ordinary size)
+    out = torch.ops.attnlab.int4_matvec(tiny, w4, pos, pos)
+    ref = F.linear(tiny.double(), sum(quant.own_int4_parts(w4, pos, pos)))
+    assert out.isfinite().all() and (out[0] == 0).all()
+    torch.testing.assert_close(out[1].double(), ref[1], rtol=1e-2, atol=0)
 
 
 @needs_own_kernel

@@ -199,8 +199,7 @@ def _build_own_kernels() -> bool:
 
 def own_int4_parts(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
     """``attnlab::int4_matvec``'s layout (csrc/quant_matvec.cpp) as two (N, Kp) float64 matrices,
-    ``q · scale`` and ``min``: their sum is the weight the kernel multiplies by (its oracle); only the
-    first meets the int8 activations."""
+    ``q · scale`` and ``min``: their sum is the weight the kernel multiplies by (its oracle)."""
     N = weight.shape[0]
     b = weight.view(N, -1, 1, 32).int()  # (N, Kp/64, 1, 32): byte i of 64 inputs holds inputs i and 32 + i
     q = torch.cat([b & 15, b >> 4], dim=2).reshape(N, -1).double()  # (N, Kp)
@@ -209,14 +208,15 @@ def own_int4_parts(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
 
 def int4_kernel_error_bound(x: torch.Tensor, scaled: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:
     """How far ``attnlab::int4_matvec`` may be from the exact product ``x @ (scaled + rest)ᵀ`` (M, N): the
-    int8 rounding of the activations, half a step of each 16 inputs' grid (max |x| / 254), on the part that
-    meets them (``scaled``), and fp32's rounding (1e-5) of every product's size, cancellations included."""
+    int8 rounding of the activations, half a step of each 16 inputs' grid (max |x| / 254), on the weight
+    they meet (``scaled + rest``: the minimums meet the rounded sums), and fp32's rounding (1e-5) of every
+    product's size, cancellations included."""
     M, K = x.shape
     Kp = -(-K // 16) * 16
     blocks = F.pad(x.abs().double(), (0, Kp - K)).view(M, -1, 16)  # (M, Kp/16, 16)
     step = (blocks.amax(dim=2, keepdim=True) / 254).expand_as(blocks).reshape(M, Kp)[:, :K]  # (M, K)
     size = x.abs().double() @ (scaled.abs() + (0 if rest is None else rest.abs())).t()
-    return step @ scaled.abs().t() + 1e-5 * size
+    return step @ (scaled + (0 if rest is None else rest)).abs().t() + 1e-5 * size
 
 
 def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

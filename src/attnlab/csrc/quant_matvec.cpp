@@ -11,13 +11,14 @@
 // Here each weight row is read once, 64 int8 at a time, widened to int16 and multiplied against the row
 // of activations rounded to int16 (one scale per row, finer than bf16's rounding for all but tiny
 // elements), summed exactly in int32, the rows split over PyTorch's own threads. The int4 kernel rounds the
-// activations to int8 per 32 inputs instead (see above int4_matvec). Built on first use by
+// activations to int8 per 16 inputs instead (see above int4_matvec). Built on first use by
 // torch.utils.cpp_extension (attnlab.quant._build_own_kernels).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -202,16 +203,16 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // fp16 scales (as in llama.cpp's Q4_1 blocks) make 32 weights 20 bytes: 0.625 bytes per weight, against
 // int8's 1.
 //
-// Per row: Σ_k W x = Σ_b scale_b · Σ_{k∈b} q_k x_k + Σ_b min_b · Σ_{k∈b} x_k over the 32-input blocks b. The
-// first sum runs on the activations rounded to int8 with a scale per 16 inputs (max |x| ↦ 127: as llama.cpp's
-// Q8_1, which its Q4_1 products meet, with half its block), because vpmaddubsw multiplies 32 unsigned bytes by
-// 32 signed ones at once: twice the products per instruction of int16's vpmaddwd. The int16 activations of the int8 kernel
-// made this kernel arithmetic-bound at ~10-14 GB/s of SmolLM2's weights (two threads, AVX2 EPYC); this one
-// reads them at the memory's speed (~21 GB/s there, 1.26-1.38x; docs/results.md). The rounding moves each
-// activation by at most max|x| / 254 of its 16: ~0.6% error on SmolLM2's products (0.8% with 32 inputs per
-// scale, as Q8_1; 0.01% with int16), against ~8% from rounding its weights to 4 bits. Each half block's
-// products are summed exactly (int16 pairs ≤ 2 · 15 · 127, then ≤ 8 of them, then int32) and scaled in fp32
-// by scale_b · xscale; the sums of x per 32 inputs are fp32 sums of the activations themselves.
+// Per row: Σ_k W x = Σ_b scale_b · Σ_{k∈b} q_k x_k + Σ_b min_b · Σ_{k∈b} x_k over the 32-input blocks b, on the
+// activations rounded to int8 with a scale per 16 inputs (max |x| ↦ 127: as llama.cpp's Q8_1, which its Q4_1
+// products meet, with half its block), because vpmaddubsw multiplies 32 unsigned bytes by 32 signed ones at
+// once: twice the products per instruction of int16's vpmaddwd. With int16 activations (the int8 kernel's) this
+// kernel was arithmetic-bound at ~10-15 GB/s of SmolLM2's weights on a 2-core AVX2 EPYC; on bytes it reads
+// them near the memory's speed (docs/results.md, thirty-sixth session). The price: the rounding moves each
+// activation by at most max|x| / 254 of its 16, ~0.6% error on SmolLM2's products (0.8% with 32 inputs per
+// scale, as Q8_1; 0.01% with int16). Each half block's products are summed exactly (int16 pairs ≤ 2 · 15 · 127,
+// then 4 of them, ≤ 15,240, then int32) and scaled in fp32 by scale_b · xscale; the sums per 32 are of the
+// rounded activations (see int4_matvec).
 constexpr int64_t kInt4Block = 64;
 
 // 64 inputs' products: 32 bytes of w against 64 int8 activations, as two vectors of 16 int16 pair sums
@@ -239,12 +240,20 @@ float dot_int4(const int8_t* xq, const float* xscale, const float* xsum, const u
     const __m256 first = _mm256_mul_ps(sw, _mm256_loadu_ps(xscale + 2 * b)), last = _mm256_mul_ps(sw, _mm256_loadu_ps(xscale + 2 * b + 8));
     acc_min = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b))),
                               _mm256_loadu_ps(xsum + b), acc_min);
-    __m256i p[8];
-    for (int t = 0; t < 8; t += 2) products64(w + 16 * (b + t), xq + 32 * (b + t), p[t], p[t + 1]);
-    const __m256i s0 = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])), ones);
-    const __m256i s1 = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7])), ones);
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_permute2f128_ps(first, last, 0x20), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_permute2f128_ps(first, last, 0x31), acc1);
+    {  // blocks b…b+3, then b+4…b+7: four products' vectors live at a time (eight spill registers: measured slower)
+      __m256i p0, p1, p2, p3;
+      products64(w + 16 * b, xq + 32 * b, p0, p1);
+      products64(w + 16 * (b + 2), xq + 32 * (b + 2), p2, p3);
+      const __m256i s = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3)), ones);
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_permute2f128_ps(first, last, 0x20), acc0);
+    }
+    {
+      __m256i p0, p1, p2, p3;
+      products64(w + 16 * (b + 4), xq + 32 * (b + 4), p0, p1);
+      products64(w + 16 * (b + 6), xq + 32 * (b + 6), p2, p3);
+      const __m256i s = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3)), ones);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_permute2f128_ps(first, last, 0x31), acc1);
+    }
   }
   float tail = 0.f;
   for (; b < G; b += 2) {  // two blocks at a time (the scales as 2 first halves, 2 last): lanes [b b b+1 b+1 | …]
@@ -300,28 +309,63 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // each row of x as int8 with a scale per 16 inputs (zero past K; the scales in dot_int4's order: per 8
-  // blocks of 32, their first halves', then their last halves'), and its sums per 32; a row that is not
-  // finite takes the float product, so that NaN and inf come out as they would
+  // blocks of 32, their first halves', then their last halves'), and the sums per 32 of the rounded values, so
+  // that the minimums meet the same activations as the 4-bit values: the rounding then moves Σ W x by
+  // Σ W (x̂ - x), not by Σ (W - min) (x̂ - x), about half as much (a block's min is about -range/2; llama.cpp's
+  // Q8_1 keeps the rounded sum too). A row that is not finite takes the float product, so that NaN and inf come
+  // out as they would; a 16 whose largest |x| is below ~4e-37 (127 / FLT_MAX) counts as zeros.
   std::vector<int8_t> xq(M * Kp, 0);
   std::vector<float> xscale(M * 2 * G, 0.f), xsum(M * G, 0.f);
   std::vector<char> finite(M, 1);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t h = 0; h * 16 < K; ++h) {
+    for (int64_t h = 0; h * 16 < K && finite[m]; ++h) {
       const float* xh = xp + m * K + h * 16;
-      const int64_t n = std::min<int64_t>(16, K - h * 16), b = h / 2;
-      float big = 0.f, sum = 0.f;
-      for (int64_t k = 0; k < n; ++k) {
-        big = std::max(big, std::fabs(xh[k]));
-        sum += xh[k];
-        finite[m] = finite[m] && std::isfinite(xh[k]);
+      int8_t* qh = xq.data() + m * Kp + h * 16;
+      const int64_t b = h / 2;
+      float scale;
+      int32_t qsum = 0;
+      if (h * 16 + 16 <= K) {  // a whole 16, in vectors (the loop below rounds the same way: to nearest, even)
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        const __m256 x0 = _mm256_loadu_ps(xh), x1 = _mm256_loadu_ps(xh + 8);
+        const __m256 a0 = _mm256_andnot_ps(sign, x0), a1 = _mm256_andnot_ps(sign, x1);
+        const __m256 huge = _mm256_set1_ps(FLT_MAX);  // NaN and inf fail a <= FLT_MAX
+        if (_mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(a0, huge, _CMP_LE_OQ), _mm256_cmp_ps(a1, huge, _CMP_LE_OQ))) != 0xFF) {
+          finite[m] = 0;
+          break;
+        }
+        __m128 big4 = _mm_max_ps(_mm256_castps256_ps128(_mm256_max_ps(a0, a1)), _mm256_extractf128_ps(_mm256_max_ps(a0, a1), 1));
+        big4 = _mm_max_ps(big4, _mm_movehl_ps(big4, big4));
+        const float big = _mm_cvtss_f32(_mm_max_ss(big4, _mm_movehdup_ps(big4)));
+        scale = big / 127.f;
+        const float inv = big > 0.f && std::isfinite(127.f / big) ? 127.f / big : 0.f;
+        const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, _mm256_set1_ps(inv)));
+        const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, _mm256_set1_ps(inv)));
+        const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  // 16 int16, in order
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qh),
+                         _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(q0, q1));
+        for (int i = 0; i < 8; ++i) qsum += lanes[i];
+      } else {  // the last, part of a 16
+        const int64_t n = K - h * 16;
+        float big = 0.f;
+        for (int64_t k = 0; k < n; ++k) {
+          if (!std::isfinite(xh[k])) finite[m] = 0;
+          big = std::max(big, std::fabs(xh[k]));
+        }
+        if (!finite[m]) break;
+        scale = big / 127.f;
+        const float inv = big > 0.f && std::isfinite(127.f / big) ? 127.f / big : 0.f;
+        for (int64_t k = 0; k < n; ++k) {
+          qh[k] = static_cast<int8_t>(std::nearbyint(xh[k] * inv));
+          qsum += qh[k];
+        }
       }
       // blocks b of a full 8 at b0 = b - b % 8: first halves at 2·b0 + b % 8, last at 2·b0 + 8 + b % 8;
       // the blocks left (fewer than 8, taken 2 at a time): first halves at 2·b0 + b % 2, last + 2
       const int64_t b0 = b / 8 * 8 <= G - 8 ? b / 8 * 8 : b / 2 * 2, width = b / 8 * 8 <= G - 8 ? 8 : 2;
-      xscale[m * 2 * G + 2 * b0 + (h % 2) * width + (b - b0)] = big / 127.f;
-      xsum[m * G + b] += sum;
-      const float inv = big > 0.f ? 127.f / big : 0.f;
-      for (int64_t k = 0; k < n; ++k) xq[m * Kp + h * 16 + k] = static_cast<int8_t>(std::nearbyint(xh[k] * inv));
+      xscale[m * 2 * G + 2 * b0 + (h % 2) * width + (b - b0)] = scale;
+      xsum[m * G + b] += static_cast<float>(qsum) * scale;
     }
   }
   const int64_t row_bytes = Kp / 2;
