@@ -645,7 +645,7 @@ def test_compiled_int4_step_on_avx2_takes_attnlabs_kernels_and_matches_eager(tmp
     assert r["capability"] == "AVX2" and r["kinds"] == ["int4", "int8"]
     if _own_kernel_tools():
         assert r["own"] and all(r["own"]), r
-        assert r["cos"] > 0.9999 and r["rel_max"] <= 1e-2, r  # seen here: 0.999992, 1.6e-3
+        assert r["cos"] > 0.99999 and r["rel_max"] <= 2e-3, r  # seen here: 0.9999983, 8.2e-4
     else:  # PyTorch's kernels or the GEMM template (or the traced eager product): bf16 activations
         assert not any(r["own"]) and r["cos"] > 0.999 and r["rel_max"] <= 0.05, r
 
@@ -895,8 +895,8 @@ def test_compiled_step_with_attnlabs_kernels_matches_the_eager_step(monkeypatch)
             with _exact_products():
                 a = eager.step(tok)
             b = compiled.step(tok)
-            # int4 rounds the activations to int8 per 16 inputs (~0.6% error a product), int8 to int16 per row
-            torch.testing.assert_close(b, a, rtol=2e-3, atol=1e-2 * a.abs().max().item())
+            # int4 rounds the activations to int8 per 16 inputs, int8 to int16 per row (seen: ≤ 1.2e-3 of the largest)
+            torch.testing.assert_close(b, a, rtol=2e-3, atol=3e-3 * a.abs().max().item())
             tok = a.argmax(-1, keepdim=True)
 
 
