@@ -63,10 +63,10 @@ forces):
   row (``max |x| ↦ 32767``: finer than bf16 for every element within 128× of its row's largest). int4
   multiplies its 4-bit values as bytes against the activations rounded to int8 with a scale per 16
   inputs (``max |x| ↦ 127``, as llama.cpp's Q8_1 meets its Q4_1, with half its block), twice the products
-  per instruction: int16 activations left it arithmetic-bound at ~10-14 GB/s of SmolLM2's weights on an
-  AVX2 EPYC, this reads them at the memory's speed (~21 GB/s). The price is precision: ~0.6% error on
-  SmolLM2's products (int16: 0.01%), which its perplexity and greedy agreement show (docs/results.md,
-  thirty-sixth session). int8 widens each
+  per instruction: int16 activations left it arithmetic-bound at ~14-15 GB/s of SmolLM2's weights on an
+  AVX2 EPYC, this reads them at 18-19 GB/s, near the memory's speed (1.23-1.30x). The minimums meet the
+  sums of the rounded activations, as Q8_1's do. The price is precision: ~0.6% error on SmolLM2's products
+  (int16: 0.01%); perplexity +0.20% against +0.07% (docs/results.md, thirty-sixth session). int8 widens each
   weight once for up to 4 rows of activations (a prompt, a batch, beams: SmolLM2's products 1.23–1.25×
   faster at 4 rows, 1.28–1.32× at 8, than a widening per row; two runs, docs/results.md). int4 has a layout of
   its own, made from the portable one (:meth:`Int4Linear._own_tensors`): per 64 inputs 32 bytes, input

@@ -207,8 +207,8 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // activations rounded to int8 with a scale per 16 inputs (max |x| ↦ 127: as llama.cpp's Q8_1, which its Q4_1
 // products meet, with half its block), because vpmaddubsw multiplies 32 unsigned bytes by 32 signed ones at
 // once: twice the products per instruction of int16's vpmaddwd. With int16 activations (the int8 kernel's) this
-// kernel was arithmetic-bound at ~10-15 GB/s of SmolLM2's weights on a 2-core AVX2 EPYC; on bytes it reads
-// them near the memory's speed (docs/results.md, thirty-sixth session). The price: the rounding moves each
+// kernel was arithmetic-bound at ~14-15 GB/s of SmolLM2's weights on a 2-core AVX2 EPYC; on bytes it reads
+// them at 18-19 GB/s, near the memory's speed (1.23-1.30x; docs/results.md, thirty-sixth session). The price: the rounding moves each
 // activation by at most max|x| / 254 of its 16, ~0.6% error on SmolLM2's products (0.8% with 32 inputs per
 // scale, as Q8_1; 0.01% with int16). Each half block's products are summed exactly (int16 pairs ≤ 2 · 15 · 127,
 // then 4 of them, ≤ 15,240, then int32) and scaled in fp32 by scale_b · xscale; the sums per 32 are of the
