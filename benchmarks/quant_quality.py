@@ -59,12 +59,20 @@ CONFIGS = {"fp32": (False, None, None), "bf16": (True, None, None), "int8": (Fal
 DEFAULT_CONFIGS = list(CONFIGS)[:6]
 
 
-def validation_text(path: Path) -> str:
-    if path.is_dir():  # its folder (as train_speed.py's --data takes it): the file inside
+def tiny_shakespeare(path: Path) -> str | None:
+    """Tiny Shakespeare's whole text from ``path``: its input.txt or input.txt.gz, or the folder holding one
+    (input.txt first); None where there is neither. (train_speed.py reads it here too.)"""
+    if path.is_dir():
         path = next((path / name for name in ("input.txt", "input.txt.gz") if (path / name).is_file()), path / "input.txt")
     if not path.is_file():
+        return None
+    return gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz" else path.read_text(encoding="utf-8")
+
+
+def validation_text(path: Path) -> str:
+    raw = tiny_shakespeare(path)
+    if raw is None:
         raise SystemExit(f"{path}: not found; give Tiny Shakespeare's input.txt (or .gz), or its folder, with --data")
-    raw = gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz" else path.read_text(encoding="utf-8")
     return raw[int(0.9 * len(raw)):]  # nanoGPT's split: the last 10%
 
 

@@ -61,7 +61,6 @@ nanoGPT's README run and the compiled attnlab sides also against nanoGPT compile
 
 import argparse
 import contextlib
-import gzip
 import importlib.util
 import io
 import json
@@ -88,6 +87,7 @@ from attnlab.interop.hf import from_hf
 from attnlab.model import attention
 from attnlab.train.tasks.base import output_loss
 from attnlab.train.trainer import make_adamw
+from quant_quality import tiny_shakespeare  # Tiny Shakespeare's text (benchmarks/ is on sys.path)
 
 SHAPES = {"small": dict(d=256, heads=4, layers=3, ff=1024, batch=64, length=24),
           "large": dict(d=512, heads=8, layers=6, ff=2048, batch=32, length=32),
@@ -1011,14 +1011,10 @@ print(json.dumps({"ms": [round(t * 1e3, 3) for t in times], "bf16": trainer.bf16
 
 
 def shakespeare_text(args) -> Path | None:
-    """``--workdir``, with Tiny Shakespeare from ``--data`` (input.txt or input.txt.gz) written to its input.txt;
-    None where ``--data`` has neither."""
-    data, work = Path(args.data), Path(args.workdir)
-    if (data / "input.txt.gz").exists():
-        text = gzip.open(data / "input.txt.gz", "rt", encoding="utf-8").read()
-    elif (data / "input.txt").exists():
-        text = (data / "input.txt").read_text(encoding="utf-8")
-    else:
+    """``--workdir``, with Tiny Shakespeare from ``--data`` (input.txt or input.txt.gz, or their folder) written to
+    its input.txt; None where ``--data`` has neither."""
+    text, work = tiny_shakespeare(Path(args.data)), Path(args.workdir)
+    if text is None:
         return None
     work.mkdir(parents=True, exist_ok=True)
     (work / "input.txt").write_text(text, encoding="utf-8")
