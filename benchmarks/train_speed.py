@@ -1302,7 +1302,7 @@ def main():
                          "trainer keeps freed memory, accel.keep_freed_memory; HF's Trainer, the tutorial and nanoGPT: "
                          "glibc's defaults), kept on every side, or glibc's defaults on every side")
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"),
-                    help="--nanogpt: folder with Tiny Shakespeare's input.txt(.gz)")
+                    help="--nanogpt: Tiny Shakespeare's input.txt(.gz), or the folder holding it")
     ap.add_argument("--workdir", default="runs/train_speed")
     ap.add_argument("--corpus", default=None, nargs="?", const="shipped",
                     help="also time an epoch of real pairs (a SOURCE<TAB>TARGET file; bare: the shipped Tatoeba "
