@@ -38,12 +38,16 @@
 
 namespace {
 
+// VL: lanes per vector; ACC: accumulators per block of a product; NBMAX: vectors of columns per block, at most
 #if defined(__AVX512F__)
-constexpr int VL = 16, ACC = 16;  // lanes per vector; accumulators per block (of 32 registers)
+constexpr int VL = 16, ACC = 16, NBMAX = 4;  // (of 32 registers)
 #elif defined(__AVX__)
-constexpr int VL = 8, ACC = 8;  // (of 16 registers)
+// (of 16 registers: blocks of 6 rows × 2 vectors, the shape of AVX2 GEMM kernels, leave room for 2 vectors of a row
+// and a broadcast; 2 rows × 4 vectors, 8 accumulators, ran the attention's forward + backward 1.07-1.32x slower on
+// a native AVX2 CPU, docs/results.md, thirty-seventh #13 session)
+constexpr int VL = 8, ACC = 12, NBMAX = 2;
 #else
-constexpr int VL = 4, ACC = 8;
+constexpr int VL = 4, ACC = 8, NBMAX = 4;
 #endif
 typedef float vec __attribute__((vector_size(VL * sizeof(float)), aligned(alignof(float))));
 typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t)), aligned(alignof(int32_t))));
@@ -121,15 +125,15 @@ inline void block_skipping(const Product& p, int64_t i0, int64_t n0) {
   block<MR, NB>(p, i0, n0, kb, ke);
 }
 
-// nv whole vectors of columns from column 0, as blocks of 4 vectors and one block of the 3, 2 or 1 left:
+// nv whole vectors of columns from column 0, as blocks of NBMAX vectors and one block of those left (3, 2 or 1):
 // f(std::integral_constant<int, NB>{}, n0) for each block of NB vectors from column n0 (both loop orders below
 // share it: columns outside, rows inside for run's plain products; rows outside for KEYS_IN_N)
 template <class F>
 inline void in_vector_blocks(int64_t nv, F&& f) {
   int64_t n0 = 0;
-  for (; nv >= 4; nv -= 4, n0 += 4 * VL) f(std::integral_constant<int, 4>{}, n0);
-  if (nv == 3) f(std::integral_constant<int, 3>{}, n0);
-  if (nv == 2) f(std::integral_constant<int, 2>{}, n0);
+  for (; nv >= NBMAX; nv -= NBMAX, n0 += NBMAX * VL) f(std::integral_constant<int, NBMAX>{}, n0);
+  if constexpr (NBMAX > 3) if (nv == 3) f(std::integral_constant<int, 3>{}, n0);
+  if constexpr (NBMAX > 2) if (nv == 2) f(std::integral_constant<int, 2>{}, n0);
   if (nv == 1) f(std::integral_constant<int, 1>{}, n0);
 }
 
@@ -151,7 +155,7 @@ void seen_columns(const Product& p, int64_t i0) {
 
 void run(const Product& p) {
   if (p.skip == KEYS_IN_N) {
-    constexpr int MR = ACC / 4 > 1 ? ACC / 4 : 1;  // (the accumulators of 4 vectors of columns)
+    constexpr int MR = ACC / NBMAX > 1 ? ACC / NBMAX : 1;  // (the accumulators of NBMAX vectors of columns)
     int64_t i = 0;
     for (; i + MR <= p.M; i += MR) seen_columns<MR>(p, i);
     for (; i < p.M; ++i) seen_columns<1>(p, i);
