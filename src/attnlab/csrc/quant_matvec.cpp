@@ -99,7 +99,9 @@ int64_t dot_int16(const int16_t* x, const int8_t* w, int64_t K) {
 // The same for R rows of activations (row stride K) against one weight row, into total[0, R): each 16 weights are
 // widened once for all R rows, where R calls of dot_int16 widen them R times (the widening is most of the work;
 // SmolLM2's products for a prompt's 4 rows took 1.8-2.6x the time of one row that way). Exact int32 sums as above: each of a row's two
-// accumulators takes half of a block's 256 steps. The sums, exact, equal dot_int16's.
+// accumulators takes half of a block's 256 steps. The sums, exact, equal dot_int16's. (One row stays with dot_int16,
+// whose four accumulators over 64 inputs ran SmolLM2's batch-1 products 1.055x faster than dot_int16_rows<1> in two
+// A/Bs of three, 0.98x in the third: native AVX2 EPYC, 2 threads, thirty-seventh #13 session.)
 template <int R>
 void dot_int16_rows(const int16_t* x, const int8_t* w, int64_t K, int64_t* total) {
   for (int r = 0; r < R; ++r) total[r] = 0;
@@ -225,14 +227,21 @@ inline void products64(const uint8_t* w, const int8_t* x, __m256i& first, __m256
                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
 }
 
+// Four 64-input blocks' sums from block b: two pairwise additions in int16 (hadd) and one of pairs into int32 leave
+// lanes [b b+1 b+2 b+3 | b b+1 b+2 b+3], each block's first 16 inputs in the low half, its last 16 in the high one
+inline __m256i quad_sums(const uint8_t* w, const int8_t* xq, int64_t b) {
+  __m256i p0, p1, p2, p3;  // (four products' vectors live at a time: eight spill registers, measured slower)
+  products64(w + 16 * b, xq + 32 * b, p0, p1);
+  products64(w + 16 * (b + 2), xq + 32 * (b + 2), p2, p3);
+  return _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3)), _mm256_set1_epi16(1));
+}
+
 // One row: Σ_b scale_b · Σ_{h∈b} xscale_h · Σ_{k∈h} q_k xq_k + Σ_b min_b · xsum_b over its G 32-input blocks b
 // (G even) and their halves h, the activations' scales as 8 for the first halves of 8 blocks, then 8 for their
-// last halves. Eight blocks at a time: their scales times the activations' in two vectors; four blocks' sums in
-// one vector by two pairwise additions in int16 (hadd: lanes [b0 b1 b2 b3 | b0 b1 b2 b3], the first and the
-// last 16 inputs of each block), so that one conversion and one multiply-add serve four blocks.
+// last halves. Eight blocks at a time: their scales times the activations' in two vectors, each four blocks' sums
+// in one vector (quad_sums), so that one conversion and one multiply-add serve four blocks.
 float dot_int4(const int8_t* xq, const float* xscale, const float* xsum, const uint8_t* w, const at::Half* scales,
                const at::Half* mins, int64_t G) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 8 <= G; b += 8) {
@@ -240,20 +249,9 @@ float dot_int4(const int8_t* xq, const float* xscale, const float* xsum, const u
     const __m256 first = _mm256_mul_ps(sw, _mm256_loadu_ps(xscale + 2 * b)), last = _mm256_mul_ps(sw, _mm256_loadu_ps(xscale + 2 * b + 8));
     acc_min = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b))),
                               _mm256_loadu_ps(xsum + b), acc_min);
-    {  // blocks b…b+3, then b+4…b+7: four products' vectors live at a time (eight spill registers: measured slower)
-      __m256i p0, p1, p2, p3;
-      products64(w + 16 * b, xq + 32 * b, p0, p1);
-      products64(w + 16 * (b + 2), xq + 32 * (b + 2), p2, p3);
-      const __m256i s = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3)), ones);
-      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_permute2f128_ps(first, last, 0x20), acc0);
-    }
-    {
-      __m256i p0, p1, p2, p3;
-      products64(w + 16 * (b + 4), xq + 32 * (b + 4), p0, p1);
-      products64(w + 16 * (b + 6), xq + 32 * (b + 6), p2, p3);
-      const __m256i s = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3)), ones);
-      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_permute2f128_ps(first, last, 0x31), acc1);
-    }
+    // blocks b…b+3 meet the scales' low halves (first and last 16s), b+4…b+7 their high ones
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad_sums(w, xq, b)), _mm256_permute2f128_ps(first, last, 0x20), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad_sums(w, xq, b + 4)), _mm256_permute2f128_ps(first, last, 0x31), acc1);
   }
   float tail = 0.f;
   for (; b < G; b += 2) {  // two blocks at a time (the scales as 2 first halves, 2 last): lanes [b b b+1 b+1 | …]
@@ -261,7 +259,7 @@ float dot_int4(const int8_t* xq, const float* xscale, const float* xsum, const u
     products64(w + 16 * b, xq + 32 * b, p0, p1);
     const float s0 = static_cast<float>(scales[b]), s1 = static_cast<float>(scales[b + 1]);
     const float* h = xscale + 2 * b;
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), ones)),
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_set1_epi16(1))),
                            _mm256_setr_ps(s0 * h[0], s0 * h[0], s1 * h[1], s1 * h[1], s0 * h[2], s0 * h[2], s1 * h[3], s1 * h[3]),
                            acc0);
     tail += static_cast<float>(mins[b]) * xsum[b] + static_cast<float>(mins[b + 1]) * xsum[b + 1];
@@ -318,52 +316,37 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   std::vector<float> xscale(M * 2 * G, 0.f), xsum(M * G, 0.f);
   std::vector<char> finite(M, 1);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t h = 0; h * 16 < K && finite[m]; ++h) {
+    for (int64_t h = 0; h * 16 < K; ++h) {
+      // 16 inputs, in vectors (rounded to nearest, even); the last, part of a 16, from a copy padded with zeros
+      // (zeros change neither the largest |x| nor the sum, and the row of xq has room: Kp is a multiple of 64)
+      alignas(32) float part[16] = {};
       const float* xh = xp + m * K + h * 16;
-      int8_t* qh = xq.data() + m * Kp + h * 16;
-      const int64_t b = h / 2;
-      float scale;
-      int32_t qsum = 0;
-      if (h * 16 + 16 <= K) {  // a whole 16, in vectors (the loop below rounds the same way: to nearest, even)
-        const __m256 sign = _mm256_set1_ps(-0.f);
-        const __m256 x0 = _mm256_loadu_ps(xh), x1 = _mm256_loadu_ps(xh + 8);
-        const __m256 a0 = _mm256_andnot_ps(sign, x0), a1 = _mm256_andnot_ps(sign, x1);
-        const __m256 huge = _mm256_set1_ps(FLT_MAX);  // NaN and inf fail a <= FLT_MAX
-        if (_mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(a0, huge, _CMP_LE_OQ), _mm256_cmp_ps(a1, huge, _CMP_LE_OQ))) != 0xFF) {
-          finite[m] = 0;
-          break;
-        }
-        __m128 big4 = _mm_max_ps(_mm256_castps256_ps128(_mm256_max_ps(a0, a1)), _mm256_extractf128_ps(_mm256_max_ps(a0, a1), 1));
-        big4 = _mm_max_ps(big4, _mm_movehl_ps(big4, big4));
-        const float big = _mm_cvtss_f32(_mm_max_ss(big4, _mm_movehdup_ps(big4)));
-        scale = big / 127.f;
-        const float inv = big > 0.f && std::isfinite(127.f / big) ? 127.f / big : 0.f;
-        const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, _mm256_set1_ps(inv)));
-        const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, _mm256_set1_ps(inv)));
-        const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  // 16 int16, in order
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qh),
-                         _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(q0, q1));
-        for (int i = 0; i < 8; ++i) qsum += lanes[i];
-      } else {  // the last, part of a 16
-        const int64_t n = K - h * 16;
-        float big = 0.f;
-        for (int64_t k = 0; k < n; ++k) {
-          if (!std::isfinite(xh[k])) finite[m] = 0;
-          big = std::max(big, std::fabs(xh[k]));
-        }
-        if (!finite[m]) break;
-        scale = big / 127.f;
-        const float inv = big > 0.f && std::isfinite(127.f / big) ? 127.f / big : 0.f;
-        for (int64_t k = 0; k < n; ++k) {
-          qh[k] = static_cast<int8_t>(std::nearbyint(xh[k] * inv));
-          qsum += qh[k];
-        }
+      if (h * 16 + 16 > K) xh = static_cast<const float*>(std::memcpy(part, xh, (K - h * 16) * sizeof(float)));
+      const __m256 sign = _mm256_set1_ps(-0.f), huge = _mm256_set1_ps(FLT_MAX);  // (NaN and inf fail a <= FLT_MAX)
+      const __m256 x0 = _mm256_loadu_ps(xh), x1 = _mm256_loadu_ps(xh + 8);
+      const __m256 a0 = _mm256_andnot_ps(sign, x0), a1 = _mm256_andnot_ps(sign, x1);
+      if (_mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(a0, huge, _CMP_LE_OQ), _mm256_cmp_ps(a1, huge, _CMP_LE_OQ))) != 0xFF) {
+        finite[m] = 0;
+        break;
       }
-      // blocks b of a full 8 at b0 = b - b % 8: first halves at 2·b0 + b % 8, last at 2·b0 + 8 + b % 8;
+      __m128 big4 = _mm_max_ps(_mm256_castps256_ps128(_mm256_max_ps(a0, a1)), _mm256_extractf128_ps(_mm256_max_ps(a0, a1), 1));
+      big4 = _mm_max_ps(big4, _mm_movehl_ps(big4, big4));
+      const float big = _mm_cvtss_f32(_mm_max_ss(big4, _mm_movehdup_ps(big4)));
+      const float scale = big / 127.f, inv = big > 0.f && std::isfinite(127.f / big) ? 127.f / big : 0.f;
+      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, _mm256_set1_ps(inv)));
+      const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, _mm256_set1_ps(inv)));
+      const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  // 16 int16, in order
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq.data() + m * Kp + h * 16),
+                       _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(q0, q1));
+      int32_t qsum = 0;
+      for (int i = 0; i < 8; ++i) qsum += lanes[i];
+      // block b = h / 2 of a full 8 at b0 = b - b % 8: first halves at 2·b0 + b % 8, last at 2·b0 + 8 + b % 8;
       // the blocks left (fewer than 8, taken 2 at a time): first halves at 2·b0 + b % 2, last + 2
-      const int64_t b0 = b / 8 * 8 <= G - 8 ? b / 8 * 8 : b / 2 * 2, width = b / 8 * 8 <= G - 8 ? 8 : 2;
+      const int64_t b = h / 2;
+      const bool of_eight = b / 8 * 8 <= G - 8;
+      const int64_t b0 = of_eight ? b / 8 * 8 : b / 2 * 2, width = of_eight ? 8 : 2;
       xscale[m * 2 * G + 2 * b0 + (h % 2) * width + (b - b0)] = scale;
       xsum[m * G + b] += static_cast<float>(qsum) * scale;
     }
