@@ -18,6 +18,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -319,9 +320,12 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     for (int64_t h = 0; h * 16 < K; ++h) {
       // 16 inputs, in vectors (rounded to nearest, even); the last, part of a 16, from a copy padded with zeros
       // (zeros change neither the largest |x| nor the sum, and the row of xq has room: Kp is a multiple of 64)
-      alignas(32) float part[16] = {};
+      alignas(32) float part[16];
       const float* xh = xp + m * K + h * 16;
-      if (h * 16 + 16 > K) xh = static_cast<const float*>(std::memcpy(part, xh, (K - h * 16) * sizeof(float)));
+      if (h * 16 + 16 > K) {
+        std::fill(std::copy(xh, xp + m * K + K, part), part + 16, 0.f);
+        xh = part;
+      }
       const __m256 sign = _mm256_set1_ps(-0.f), huge = _mm256_set1_ps(FLT_MAX);  // (NaN and inf fail a <= FLT_MAX)
       const __m256 x0 = _mm256_loadu_ps(xh), x1 = _mm256_loadu_ps(xh + 8);
       const __m256 a0 = _mm256_andnot_ps(sign, x0), a1 = _mm256_andnot_ps(sign, x1);
