@@ -44,7 +44,7 @@ constexpr int VL = 16, ACC = 16, NBMAX = 4;  // (of 32 registers)
 #elif defined(__AVX__)
 // (of 16 registers: blocks of 6 rows × 2 vectors, the shape of AVX2 GEMM kernels, leave room for 2 vectors of a row
 // and a broadcast; 2 rows × 4 vectors, 8 accumulators, took 1.03-1.39x as long for the attention's forward +
-// backward on a native AVX2 CPU, 1.07-1.32x in a second A/B, docs/results.md, thirty-seventh #13 session)
+// backward on a native AVX2 CPU, 1.07-1.32x in the A/B before, docs/results.md, thirty-seventh #13 session)
 constexpr int VL = 8, ACC = 12, NBMAX = 2;
 #else
 constexpr int VL = 4, ACC = 8, NBMAX = 4;
