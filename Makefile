@@ -25,7 +25,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/attnlab demo $(ARGS)
 
+# the suite starts with `attnlab doctor`: which CPU and paths it ran on, and attnlab's C++ kernels built side by side
+# (not one after another inside the tests that first use them)
 test: $(STAMP)
+	$(VENV)/bin/attnlab doctor
 	$(VENV)/bin/python -m pytest -q -n $(JOBS) --dist loadfile $(ARGS)
 
 clean:

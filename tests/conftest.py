@@ -12,3 +12,15 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def shakespeare_stand_in():
+    """``write(folder, repeats)``: a stand-in for Tiny Shakespeare's input.txt in ``folder`` (made if missing), two
+    lines of its opening ``repeats`` times (the benchmarks' smoke runs read a text there, not the real one); the file."""
+    def write(folder, repeats: int):
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "input.txt"
+        path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * repeats, encoding="utf-8")
+        return path
+    return write

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -25,12 +26,10 @@ def _smoke(argv, out):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_train_speed_runs_one_step():
-    pytest.importorskip("transformers")
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--steps", "1", "--shapes",
-                          "tiny", "--threads", "1", "--peak-size", "256"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+def test_train_speed_runs_one_step(tiny_run):
+    """train_speed.py on the tiny shape: each side's ms, MFU against the matmul peak read in the same run, its heap
+    and memory; the ratios."""
+    r = tiny_run
     row = r["tiny_fp32"]
     assert {"attnlab", "hf_marian", "torch_nn_transformer"} <= set(row)
     assert row["attnlab"]["ms_per_step"] > 0 and row["attnlab_vs_hf"] > 0 and r["matmul_peak_GFLOPs_fp32"] > 0
@@ -54,10 +53,24 @@ def test_train_speed_runs_one_step():
 
 
 def _native_avx2() -> bool:
-    """An x86 CPU whose widest vectors are AVX2: there --as-avx2 caps nothing, and its test shares the --profile
-    run (one process fewer on the CPUs where the suite is slowest)."""
+    """An x86 CPU whose widest vectors are AVX2: there --as-avx2 caps nothing, and its test shares the fixture's run
+    (one process fewer on the CPUs where the suite is slowest)."""
     from attnlab import accel
     return "avx2" in accel.cpu_flags() and "avx512f" not in accel.cpu_flags()
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    """One train_speed.py run on the tiny shape for the two tests below (one process, its three sides' processes
+    started once): 2 steps a round, 3 rounds, each side's step profiled after them, fp32 only, on CPU; and on a CPU
+    whose widest vectors are AVX2, --as-avx2 too (the cap changes nothing there)."""
+    pytest.importorskip("transformers")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--steps", "2", "--shapes",
+                          "tiny", "--threads", "1", "--peak-size", "256", "--profile", "--device", "cpu",
+                          "--dtype", "fp32", *(["--as-avx2"] if _native_avx2() else [])],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def test_train_speed_as_avx2_caps_every_side():
@@ -68,7 +81,7 @@ def test_train_speed_as_avx2_caps_every_side():
     if "avx2" not in accel.cpu_flags():
         pytest.skip("--as-avx2 stands in for an AVX2 CPU on a wider x86 one")
     if _native_avx2():
-        pytest.skip("an AVX2 CPU: the --profile run below runs with --as-avx2")
+        pytest.skip("an AVX2 CPU: the fixture tiny_run takes --as-avx2 (it caps nothing there)")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--as-avx2", "--steps", "1",
                           "--shapes", "tiny", "--threads", "1", "--peak-size", "256", "--rounds", "1"],
                          capture_output=True, text=True, timeout=300)
@@ -78,19 +91,12 @@ def test_train_speed_as_avx2_caps_every_side():
     assert {r["tiny_fp32"][key]["cpu_capability"] for key in ("attnlab", "hf_marian", "torch_nn_transformer")} == {"AVX2"}
 
 
-def test_train_speed_profile_splits_each_step():
+def test_train_speed_profile_splits_each_step(tiny_run):
     """train_speed.py --profile: each side's step profiled in its own process after the timed rounds; its matrix
     products' time is part of the profiled step, its costliest operators fit inside it, and the bounds on attnlab's
     lead follow from the peers' times and MFUs. On a CPU whose widest vectors are AVX2 the same run also has
     --as-avx2 and checks what the test above does (the cap changes nothing there, and no bf16 is native)."""
-    pytest.importorskip("transformers")
-    capped = _native_avx2()
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--steps", "2", "--shapes",
-                          "tiny", "--threads", "1", "--peak-size", "256", "--rounds", "1", "--profile",
-                          "--device", "cpu", "--dtype", "fp32", *(["--as-avx2"] if capped else [])],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    capped, r = _native_avx2(), tiny_run
     assert r["device"] == "cpu" and "tiny_bf16" not in r and "matmul_peak_GFLOPs_bf16" not in r  # --dtype fp32 only
     if capped:
         assert "(AVX2" in r["cpu"]
@@ -120,10 +126,16 @@ def test_train_speed_refuses_a_device_it_cannot_time_on():
         cases.append((["--device", "cuda"], "--device cuda: this PyTorch sees no CUDA GPU"))
     else:
         cases.append((["--device", "cuda", "--gemm"], "only the step tables (--shapes) run there"))
-    for argv, message in cases:
-        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), *argv, "--shapes", "tiny"],
-                             capture_output=True, text=True, timeout=120)
-        assert res.returncode == 1 and message in res.stderr.strip().splitlines()[-1], (argv, res.stderr[-500:])
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_speed
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for argv, message in cases:  # (in this process: main() refuses before it changes anything; a string exits 1)
+        with mock.patch.object(sys, "argv", ["train_speed.py", *argv, "--shapes", "tiny"]), \
+                pytest.raises(SystemExit) as e:
+            train_speed.main()
+        assert isinstance(e.value.code, str) and message in e.value.code, (argv, e.value.code)
 
 
 def test_train_speed_corpus_epoch_runs():
@@ -177,13 +189,12 @@ def _own_kernels_build_here() -> bool:
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
+def tables(tmp_path_factory, shakespeare_stand_in):
     """One train_speed.py process for the tables below (each was a process of its own, its start-up ~5 s of the
     suite's time on a 2-core AVX2 CPU); main() runs every table flag given, each on its own. The kernel tables
     only where attnlab's kernels build (Linux, a C++ compiler), as their tests skip elsewhere."""
     tmp = tmp_path_factory.mktemp("tables")
-    (tmp / "data").mkdir()
-    (tmp / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
+    shakespeare_stand_in(tmp / "data", 400)
     kernels = ["--dropout", "--gelu", "--attention-kernel", "--packed-attention", "--linear-kernel"]
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--attention",
                           "--attention-shapes", "nanogpt", "--gemm", "--ablate",
@@ -350,12 +361,11 @@ def test_train_speed_loss_paths_table_runs(tmp_path):
         assert row["fused_over_plain"] == round(row["fused_ms"] / row["plain_ms"], 3)
 
 
-def test_train_speed_attention_keys_table_runs(tmp_path):
+def test_train_speed_attention_keys_table_runs(tmp_path, shakespeare_stand_in):
     """train_speed.py --attention-keys: the trainer's update of nanoGPT's model with each block size, and the small
     encoder-decoder's update with that many keys, ShortAttention against PyTorch's fused kernel in turns, and their
     ratio."""
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
+    shakespeare_stand_in(tmp_path / "data", 400)
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none",
                           "--attention-keys", "16,80", "--steps", "1", "--rounds", "1", "--threads", "1",
                           "--data", str(tmp_path / "data"), "--workdir", str(tmp_path / "work")],
@@ -373,7 +383,7 @@ def test_train_speed_attention_keys_table_runs(tmp_path):
         assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 3)
 
 
-def test_train_speed_nanogpt_step_runs(tmp_path):
+def test_train_speed_nanogpt_step_runs(tmp_path, shakespeare_stand_in):
     """train_speed.py --nanogpt --profile --compile: the sides' per-iteration times parsed and compared. A
     stand-in checkout (its train.py prints nanoGPT's log lines) keeps nanoGPT out of the suite; attnlab's side
     is the real trainer update on a small text, profiled eager, and compiled with torch.compile (where a C++
@@ -386,9 +396,7 @@ def test_train_speed_nanogpt_step_runs(tmp_path):
     (ng / "train.py").write_text("import sys\nn = int([a for a in sys.argv if a.startswith('--max_iters=')][0].split('=')[1])\n"
                                  "base = 40 if '--compile=True' in sys.argv else 50  # the last --compile wins, as in nanoGPT's configurator\n"
                                  "for i in range(n + 1):\n    print(f'iter {i}: loss 4.0000, time {base + i}.00ms, mfu -100.00%')\n")
-    data = tmp_path / "tinyshakespeare"
-    data.mkdir()
-    (data / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 200)
+    data = shakespeare_stand_in(tmp_path / "tinyshakespeare", 200).parent
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--nanogpt",
                           str(ng), "--nanogpt-iters", "12", "--rounds", "1", "--data", str(data),
                           "--workdir", str(tmp_path / "work"), "--threads", "1",
@@ -455,7 +463,7 @@ pickle.dump({"vocab_size": len(chars)}, open("meta.pkl", "wb"))
 """
 
 
-def test_train_speed_nanogpt_interleaved_runs(tmp_path):
+def test_train_speed_nanogpt_interleaved_runs(tmp_path, shakespeare_stand_in):
     """train_speed.py --nanogpt --interleaved: nanoGPT's loop body on its model.py (a stand-in checkout whose
     prepare.py writes train.bin and meta.pkl as nanoGPT's does) and attnlab's trainer update in one process, in blocks
     taking turns; each side's median and the ratios, over the blocks and paired block by block."""
@@ -463,9 +471,7 @@ def test_train_speed_nanogpt_interleaved_runs(tmp_path):
     (ng / "data" / "shakespeare_char").mkdir(parents=True)
     (ng / "data" / "shakespeare_char" / "prepare.py").write_text(_STAND_IN_PREPARE)
     (ng / "model.py").write_text(_STAND_IN_MODEL)
-    data = tmp_path / "tinyshakespeare"
-    data.mkdir()
-    (data / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 200)
+    data = shakespeare_stand_in(tmp_path / "tinyshakespeare", 200).parent
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none", "--nanogpt",
                           str(ng), "--interleaved", "--rounds", "1", "--block-iters", "2", "--data", str(data),
                           "--workdir", str(tmp_path / "work"), "--threads", "1"], capture_output=True, text=True,

@@ -96,6 +96,42 @@ def test_doctor_says_whose_quantised_kernels_run(capsys, monkeypatch):
     assert "attnlab's own AVX2 kernels (eager); compiled step: inductor's GEMM" in capsys.readouterr().out
 
 
+def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
+    """doctor.build_kernels: every probe it names is a function of attnlab's; it runs each in a process of its own,
+    ``jobs`` at a time (here stand-in probes that record when they ran), then stamps torch's extension folder so
+    that the next doctor runs none; a probe that fails leaves no stamp; ATTNLAB_OWN_KERNELS=0 builds nothing."""
+    import importlib
+    import json
+    from attnlab import accel, doctor
+    for probe in doctor.KERNEL_PROBES:
+        module, name = probe.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), probe
+    if not (accel.can_build_kernels() and sys.platform.startswith("linux")):
+        assert doctor.build_kernels() is False
+        return
+    (tmp_path / "probes.py").write_text(
+        "import json, os, sys, time\n"
+        "def ran(name):\n"
+        "    start = time.time(); time.sleep(1.0)\n"
+        f"    open(os.path.join({str(tmp_path)!r}, name + '.json'), 'w').write(json.dumps([start, time.time()]))\n"
+        "def a(): ran('a')\ndef b(): ran('b')\ndef c(): ran('c')\ndef broken(): sys.exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    stamps = lambda: list((tmp_path / "ext").glob("attnlab_kernels_*.built"))  # noqa: E731
+    monkeypatch.setattr(doctor, "KERNEL_PROBES", ("probes:a", "probes:b", "probes:c"))
+    assert doctor.build_kernels(jobs=2) is True and len(stamps()) == 1
+    (a0, a1), (b0, b1), (c0, c1) = (json.loads((tmp_path / f"{k}.json").read_text()) for k in "abc")
+    assert b0 < a1 and a0 < b1  # a and b side by side
+    assert c0 >= min(a1, b1) - 0.05  # c only once one of them had ended (2 at a time)
+    (tmp_path / "a.json").unlink()
+    assert doctor.build_kernels() is False and not (tmp_path / "a.json").exists()  # stamped: nothing runs
+    stamps()[0].unlink()
+    monkeypatch.setattr(doctor, "KERNEL_PROBES", ("probes:a", "probes:broken"))
+    assert doctor.build_kernels() is True and stamps() == []
+    monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
+    assert doctor.build_kernels() is False
+
+
 def test_dry_run_checks_flags_without_running(capsys):
     assert main(["--dry-run", "train", "--train", "missing.tsv", "--minutes", "3"]) == 0
     assert "nothing was run" in capsys.readouterr().out

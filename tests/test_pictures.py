@@ -81,6 +81,25 @@ def test_without_a_cjk_font_tokens_are_code_points(tmp_path, monkeypatch):
         plt.close(fig)
 
 
+@pytest.mark.parametrize("n", [18, 19, 57])
+def test_a_long_token_row_is_labelled_without_overlapping_labels(n):
+    """Up to attention.MAX_TOKEN_LABELS tokens every one is labelled; past that every k-th from the first, and
+    the labels drawn (6 pt) never cover one another, on either axis."""
+    tgt = [f"t{i}" for i in range(n)]
+    fig = _attention_figure(tiny_maps(1, 1, tgt=tgt), TITLE)
+    try:
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[1]  # decoder self-attention: the target's tokens on both axes
+        for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+            shown = [t.get_text() for t in labels]
+            step = 1 if n <= attention.MAX_TOKEN_LABELS else -(-n // attention.MAX_TOKEN_LABELS)
+            assert shown == tgt[::step] and len(shown) <= attention.MAX_TOKEN_LABELS
+            boxes = [t.get_window_extent(renderer) for t in labels]
+            assert not any(a.overlaps(b) for a, b in zip(boxes, boxes[1:])), n
+    finally:
+        plt.close(fig)
+
+
 @pytest.mark.parametrize("layers, heads, title", [
     (3, 4, TITLE), (1, 2, TITLE),
     (1, 2, "The committee will meet again next Tuesday to discuss the new building. → 委員會將於下週二再次開會討論新大樓。"),

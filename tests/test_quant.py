@@ -483,14 +483,13 @@ def test_cli_translate_and_embed_quantize(tmp_path, capsys):
     assert _cos(torch.tensor(row["embedding"]), torch.from_numpy(full)) > 0.999
 
 
-def test_quant_quality_benchmark_runs_quick(lm_dir, tmp_path):
+def test_quant_quality_benchmark_runs_quick(lm_dir, tmp_path, shakespeare_stand_in):
     """benchmarks/quant_quality.py end to end on the tiny LM (SmolLM2 is what it is for: minutes)."""
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    (tmp_path / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 60,
-                                        encoding="utf-8")
+    shakespeare_stand_in(tmp_path, 60)
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "quant_quality.py"), "--quick", "--model", str(lm_dir),
                           "--data", str(tmp_path / "input.txt"), "--threads", "1",
                           *(["--configs", "fp32,int4", "--compile"] if accel.can_compile("cpu")  # one compilation
@@ -507,7 +506,7 @@ def test_quant_quality_benchmark_runs_quick(lm_dir, tmp_path):
             assert abs(row["compiled_ppl"] / row["ppl"] - 1) < 0.02 and row["compiled_top1_same"] > 0.9, row
 
 
-def test_quant_quality_benchmark_runs_quick_on_attnlabs_kernels(lm_dir, tmp_path):
+def test_quant_quality_benchmark_runs_quick_on_attnlabs_kernels(lm_dir, tmp_path, shakespeare_stand_in):
     """The same, eager, with attnlab's own AVX2 kernels forced (``ATTNLAB_OWN_KERNELS=1``): what
     ``--as-avx2`` runs (the layers then keep dicts of kernel tensors, which the memory count once failed on)."""
     if not _own_kernel_tools():
@@ -516,8 +515,7 @@ def test_quant_quality_benchmark_runs_quick_on_attnlabs_kernels(lm_dir, tmp_path
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    (tmp_path / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 60,
-                                        encoding="utf-8")
+    shakespeare_stand_in(tmp_path, 60)
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "quant_quality.py"), "--quick", "--model", str(lm_dir),
                           "--data", str(tmp_path), "--threads", "1", "--configs", "fp32,int8,int4"],  # (its folder)
                          capture_output=True, text=True, timeout=300,  # (whatever the suite's env says)

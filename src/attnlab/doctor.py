@@ -4,10 +4,13 @@ threads, torch)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,6 +20,48 @@ from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_is
                     packed_linear_ok)
 from .model.attention import fused_short_attention
 from .model.layers import fused_dropout, fused_gelu
+
+
+# attnlab's own C++ kernels (``csrc/``), each built on first use by the function named here (which answers
+# whether it serves; ``report`` asks every one of them), the longest builds first
+KERNEL_PROBES = ("attnlab.accel:linear_kernel_serves", "attnlab.model.attention:fused_short_attention",
+                 "attnlab.model.layers:fused_gelu", "attnlab.model.layers:fused_dropout", "attnlab.quant:own_kernels")
+
+
+def build_kernels(jobs: int | None = None) -> bool:
+    """Build attnlab's kernels for this CPU side by side, ``jobs`` at a time (default: the cores), one process
+    each, so that the report's own probes (and every later process) only load them from torch's extension
+    cache. Returns whether it ran the builds: not where a stamp in that cache says this set of sources, flags,
+    PyTorch and Python built there already.
+
+    Why: each kernel is one C++ file compiled with PyTorch's headers, 10-25 s of one core on a 2-core AVX2
+    EPYC, and a process builds the kernels it asks for one after another. Side by side, a cold machine's
+    doctor (and `make test`, which starts with it) waits for the slowest build, not for their sum. Where a child
+    fails nothing is lost: the report builds that kernel again itself and says what it found."""
+    from concurrent.futures import ThreadPoolExecutor
+    from torch.utils import cpp_extension
+    if accel._env_off("ATTNLAB_OWN_KERNELS") or platform.system() != "Linux" or not accel.can_build_kernels():
+        return False
+    csrc = Path(__file__).parent / "csrc"
+    key = hashlib.sha256(repr((sys.executable, torch.__version__, accel.own_kernel_target(True),
+                               os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("ATTNLAB_QUANT_KERNELS"),
+                               sorted((p.name, p.read_bytes()) for p in csrc.iterdir() if p.is_file()))).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()  # (as torch's builds ask)
+    stamp = Path(root) / f"attnlab_kernels_{key.hexdigest()[:16]}.built"
+    if stamp.exists():
+        return False
+
+    def build(probe: str) -> int:
+        module, name = probe.split(":")
+        return subprocess.run([sys.executable, "-c", f"from {module} import {name}; {name}()"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+
+    with ThreadPoolExecutor(max(1, jobs or os.cpu_count() or 1)) as pool:
+        codes = list(pool.map(build, KERNEL_PROBES))
+    if not any(codes):
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+    return True
 
 
 def report() -> dict:
@@ -109,6 +154,7 @@ def doctor_text(r: dict | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    build_kernels()
     print(json.dumps(report(), indent=2) if "--json" in argv else doctor_text())
     return 0
 

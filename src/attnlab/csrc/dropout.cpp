@@ -14,8 +14,13 @@
 // tests/test_pitfalls.py recomputes it with torch's integer operations and compares every element. NaN and inf
 // in dropped positions become 0, as in attnlab's torch path (nn.Dropout's NaN·0 keeps NaN). Built on first use
 // by torch.utils.cpp_extension (attnlab.accel.build_torch_ops).
-#include <ATen/ATen.h>
+// Lean headers (Tensor's methods and only the operators called), not <ATen/ATen.h>: the build on first use
+// takes seconds less.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/promote_types.h>
 #include <torch/library.h>
 
 #include <cstdint>

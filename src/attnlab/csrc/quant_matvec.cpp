@@ -13,8 +13,13 @@
 // elements), summed exactly in int32, the rows split over PyTorch's own threads. The int4 kernel rounds the
 // activations to int8 per 16 inputs instead (see above int4_matvec). Built on first use by
 // torch.utils.cpp_extension (attnlab.quant._build_own_kernels).
-#include <ATen/ATen.h>
+// Lean headers (Tensor's methods and only the operators called), not <ATen/ATen.h>: the build on first use
+// takes seconds less.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
@@ -140,7 +145,7 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scales.device().is_cpu(), "int8_matvec: CPU tensors only");
   const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous();
   const int64_t M = xc.size(0), N = wc.size(0), K = wc.size(1);
-  if (M > kMaxMatvecRows) return at::mm(xc, wc.to(at::kFloat).t()) * sc;  // many rows: see kMaxMatvecRows
+  if (M > kMaxMatvecRows) return at::mm(xc, wc.to(at::kFloat).t()).mul_(sc);  // many rows: see kMaxMatvecRows
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const int8_t* wp = wc.data_ptr<int8_t>();
