@@ -43,8 +43,8 @@ def _server():
     return _ctx
 
 
-def _command(argv: list[str], cwd: str | None, env: dict, stdin: str | None, out: str, err: str) -> None:
-    """In the forked process: what a fresh ``attnlab`` process would have, then the console script's main."""
+def _fresh(cwd: str | None, env: dict, stdin: str | None, out: str, err: str) -> None:
+    """In the forked process: what a fresh process would have (environment, threads, directory, standard files)."""
     import warnings
 
     import torch
@@ -64,6 +64,11 @@ def _command(argv: list[str], cwd: str | None, env: dict, stdin: str | None, out
     sys.stdin = open(0, encoding="utf-8", closefd=False)
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
     sys.stderr = open(2, "w", encoding="utf-8", closefd=False)
+
+
+def _command(argv: list[str], cwd: str | None, env: dict, stdin: str | None, out: str, err: str) -> None:
+    """In the forked process: the console script's main."""
+    _fresh(cwd, env, stdin, out, err)
     sys.argv = [ATTNLAB, *argv]
     from attnlab.cli import main
     try:
@@ -74,17 +79,53 @@ def _command(argv: list[str], cwd: str | None, env: dict, stdin: str | None, out
     sys.exit(code)
 
 
+def _python(argv: list[str], cwd: str | None, env: dict, stdin: str | None, out: str, err: str) -> None:
+    """In the forked process: ``python -c CODE [ARGS]`` or ``python SCRIPT [ARGS]`` as the interpreter runs them:
+    ``__main__``, ``sys.argv``, and ``sys.path[0]`` the current folder (``-c``) or the script's; the server's own
+    additions to the path (the tests' folder) gone."""
+    import runpy
+    _fresh(cwd, env, stdin, out, err)
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path[1:] if os.path.abspath(p or ".") != here]
+    try:
+        if argv[0] == "-c":
+            sys.argv, sys.path[:] = ["-c", *argv[2:]], ["", *rest]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv, sys.path[:] = list(argv), [os.path.dirname(script), *rest]
+            runpy.run_path(script, run_name="__main__")
+    except Exception:  # as the interpreter does: the traceback on stderr, exit 1 (multiprocessing would add a line)
+        import traceback
+        traceback.print_exc()
+        sys.exit(1)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 def run(argv, *, env: dict | None = None, cwd=None, stdin: str | None = None,
         timeout: float = 300) -> subprocess.CompletedProcess:
     """``subprocess.run([ATTNLAB, *argv], capture_output=True, text=True, ...)``, forked."""
+    return _forked(_command, [ATTNLAB], argv, env, cwd, stdin, timeout)
+
+
+def run_python(argv, *, env: dict | None = None, cwd=None, stdin: str | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)``, forked: ``argv`` is
+    ``["-c", CODE, ...]`` or ``[SCRIPT, ...]``."""
+    return _forked(_python, [sys.executable], argv, env, cwd, stdin, timeout)
+
+
+def _forked(target, program: list[str], argv, env, cwd, stdin, timeout) -> subprocess.CompletedProcess:
     argv = [str(a) for a in argv]
     with tempfile.TemporaryDirectory() as d:
         out, err, inp = (os.path.join(d, n) for n in ("out", "err", "in"))
         if stdin is not None:
             Path(inp).write_text(stdin, encoding="utf-8")
-        p = _server().Process(target=_command, args=(argv, None if cwd is None else str(cwd),
-                                                     dict(os.environ if env is None else env),
-                                                     None if stdin is None else inp, out, err))
+        p = _server().Process(target=target, args=(argv, None if cwd is None else str(cwd),
+                                                   dict(os.environ if env is None else env),
+                                                   None if stdin is None else inp, out, err))
         with _LOCK:
             p.start()
         wait([p.sentinel], timeout)
@@ -94,6 +135,6 @@ def run(argv, *, env: dict | None = None, cwd=None, stdin: str | None = None,
                 p.kill()
                 p.join()
         if code is None:
-            raise subprocess.TimeoutExpired([ATTNLAB, *argv], timeout)
+            raise subprocess.TimeoutExpired([*program, *argv], timeout)
         read = lambda f: Path(f).read_text(encoding="utf-8", errors="replace") if os.path.exists(f) else ""
-        return subprocess.CompletedProcess([ATTNLAB, *argv], code, read(out), read(err))
+        return subprocess.CompletedProcess([*program, *argv], code, read(out), read(err))

@@ -197,7 +197,7 @@ def tables(tmp_path_factory, shakespeare_stand_in):
     shakespeare_stand_in(tmp / "data", 400)
     kernels = ["--dropout", "--gelu", "--attention-kernel", "--packed-attention", "--linear-kernel"]
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--attention",
-                          "--attention-shapes", "nanogpt", "--gemm", "--ablate",
+                          "--attention-shapes", "nanogpt", "--gemm", "--ablate", "--attention-keys", "16,80",
                           *(kernels if _own_kernels_build_here() else []), "--shapes", "tiny", "--steps", "1",
                           "--rounds", "1", "--threads", "1", "--data", str(tmp / "data"), "--workdir", str(tmp / "work")],
                          capture_output=True, text=True, timeout=600)
@@ -361,17 +361,11 @@ def test_train_speed_loss_paths_table_runs(tmp_path):
         assert row["fused_over_plain"] == round(row["fused_ms"] / row["plain_ms"], 3)
 
 
-def test_train_speed_attention_keys_table_runs(tmp_path, shakespeare_stand_in):
+def test_train_speed_attention_keys_table_runs(tables):
     """train_speed.py --attention-keys: the trainer's update of nanoGPT's model with each block size, and the small
     encoder-decoder's update with that many keys, ShortAttention against PyTorch's fused kernel in turns, and their
     ratio."""
-    shakespeare_stand_in(tmp_path / "data", 400)
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shapes", "none",
-                          "--attention-keys", "16,80", "--steps", "1", "--rounds", "1", "--threads", "1",
-                          "--data", str(tmp_path / "data"), "--workdir", str(tmp_path / "work")],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    table = json.loads(res.stdout.strip().splitlines()[-1])["attention_keys"]
+    table = dict(tables["attention_keys"])
     expected = {"nanogpt update, 16 keys, fp32", "nanogpt update, 80 keys, fp32"}
     if importlib.util.find_spec("transformers"):  # (the encoder-decoder rows build attnlab's copy of HF Marian)
         expected |= {"marian small update, 128 x 16 keys, fp32", "marian small update, 25 x 80 keys, fp32"}

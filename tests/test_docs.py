@@ -221,6 +221,11 @@ class Runner:
         """``attnlab ARGS`` in the scratch folder (forked: see ``forked_cli``)."""
         return forked_cli.run(args, cwd=self.ws, stdin=stdin, env={**self.env, **(env or {})}, timeout=timeout)
 
+    def python(self, argv: list[str], stdin: str | None = None, env: dict | None = None,
+               timeout: int = 300) -> subprocess.CompletedProcess:
+        """``python ARGS`` (``-c CODE`` or a script) in the scratch folder (forked: ``forked_cli.run_python``)."""
+        return forked_cli.run_python(argv, cwd=self.ws, stdin=stdin, env={**self.env, **(env or {})}, timeout=timeout)
+
     def call(self, argv: list[str], stdin: str | None = None, env: dict | None = None,
              timeout: int = 300) -> subprocess.CompletedProcess:
         return subprocess.run(argv, cwd=self.ws, input=stdin, capture_output=True, text=True, timeout=timeout,
@@ -259,7 +264,7 @@ def check_command(doc: Doc, runner: Runner) -> subprocess.CompletedProcess | Non
         script = ROOT / args[0]
         assert script.exists(), f"{doc}: {args[0]} does not exist"
         if script not in runner.helps:
-            runner.helps[script] = _ok(runner.call([sys.executable, str(script), "--help"], timeout=120), doc)
+            runner.helps[script] = _ok(runner.python([str(script), "--help"], timeout=120), doc)
         res = runner.helps[script]
         for prev, a in zip(args, args[1:]):
             if a.startswith("--"):
@@ -340,10 +345,10 @@ def test_documented_python_runs(doc, runner):
                 expected = "\n".join(l for l in lines[i + 1:] if not l.startswith(">>>")).strip()
                 probe = ("from attnlab import *\ntry:\n    r = " + line[4:] +
                          "\n    print(repr(r))\nexcept Exception as e:\n    print(f'{type(e).__name__}: {e}')\n")
-                res = _ok(runner.call([sys.executable, "-c", probe]), doc)
+                res = _ok(runner.python(["-c", probe]), doc)
                 assert res.stdout.strip() == expected, f"{doc}\nshows:  {expected}\nprints: {res.stdout.strip()}"
         return
-    _ok(runner.call([sys.executable, "-c", code], timeout=600), doc)
+    _ok(runner.python(["-c", code], timeout=600), doc)
 
 
 def test_shown_output_is_what_the_command_prints(runner):
@@ -373,6 +378,22 @@ def test_a_forked_command_is_the_console_script(argv, stdin, runner):
     script = runner.call([ATTNLAB, *argv], stdin=stdin)
     assert (forked.returncode, forked.stdout, forked.stderr) == (script.returncode, script.stdout, script.stderr)
     assert forked.returncode == (0 if argv[0] in ("params", "generate", "classify") else 1 if argv[0] == "train" else 2)
+
+
+@pytest.mark.parametrize("argv", [
+    ["-c", "import os, sys\nprint(__name__, sys.argv, repr(sys.path[0]), os.getcwd(), "
+           f"{str(ROOT / 'tests')!r} in map(os.path.abspath, sys.path))\nimport attnlab\nraise ValueError('x')",
+     "an-argument"],  # __main__, argv, the path's head (the tests' folder not on it), the folder; an exception
+    [str(ROOT / "benchmarks" / "loss_memory.py"), "--help"],  # a benchmark script: its own folder on the path
+])
+def test_a_forked_python_is_the_interpreter(argv, runner):
+    """What the Python blocks and the benchmarks' --help above run (``python ARGS`` in a forked process) prints
+    and exits as a new interpreter does."""
+    forked = runner.python(argv)
+    fresh = runner.call([sys.executable, *argv])
+    assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout)
+    assert forked.stderr.strip().splitlines()[-1:] == fresh.stderr.strip().splitlines()[-1:]
+    assert forked.returncode == (1 if argv[0] == "-c" else 0)
 
 
 def test_not_run_reasons_are_used():
