@@ -1,4 +1,5 @@
-"""The ``attnlab`` console script, run in processes forked from a server that imported attnlab once.
+"""The ``attnlab`` console script (``run``) and ``python -c CODE`` or ``python SCRIPT`` (``run_python``), run in
+processes forked from a server that imported attnlab once.
 
 Why: a new interpreter per command spends ~1.5 of its ~2 s importing torch, and the bad-input table and
 the executable docs run ~150 commands. A forked command is still a process of its own, given its own
@@ -84,13 +85,16 @@ def _python(argv: list[str], cwd: str | None, env: dict, stdin: str | None, out:
     ``__main__``, ``sys.argv``, and ``sys.path[0]`` the current folder (``-c``) or the script's; the server's own
     additions to the path (the tests' folder) gone."""
     import runpy
+    import types
     _fresh(cwd, env, stdin, out, err)
     here = os.path.dirname(os.path.abspath(__file__))
-    rest = [p for p in sys.path[1:] if os.path.abspath(p or ".") != here]
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
     try:
         if argv[0] == "-c":
             sys.argv, sys.path[:] = ["-c", *argv[2:]], ["", *rest]
-            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            main = types.ModuleType("__main__")  # (a module of its own, as the interpreter's: pickling sees it)
+            sys.modules["__main__"] = main
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
         else:
             script = os.path.abspath(argv[0])
             sys.argv, sys.path[:] = list(argv), [os.path.dirname(script), *rest]

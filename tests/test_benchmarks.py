@@ -62,12 +62,12 @@ def _native_avx2() -> bool:
 @pytest.fixture(scope="module")
 def tiny_run():
     """One train_speed.py run on the tiny shape for the two tests below (one process, its three sides' processes
-    started once): 2 steps a round, 3 rounds, each side's step profiled after them, fp32 only, on CPU; and on a CPU
-    whose widest vectors are AVX2, --as-avx2 too (the cap changes nothing there)."""
+    started once): 2 steps a round, 3 rounds, each side's step profiled after them, on CPU, fp32 and, where it is
+    native, bf16; on a CPU whose widest vectors are AVX2, --as-avx2 too (the cap changes nothing there)."""
     pytest.importorskip("transformers")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--steps", "2", "--shapes",
                           "tiny", "--threads", "1", "--peak-size", "256", "--profile", "--device", "cpu",
-                          "--dtype", "fp32", *(["--as-avx2"] if _native_avx2() else [])],
+                          *(["--as-avx2"] if _native_avx2() else [])],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -96,8 +96,9 @@ def test_train_speed_profile_splits_each_step(tiny_run):
     products' time is part of the profiled step, its costliest operators fit inside it, and the bounds on attnlab's
     lead follow from the peers' times and MFUs. On a CPU whose widest vectors are AVX2 the same run also has
     --as-avx2 and checks what the test above does (the cap changes nothing there, and no bf16 is native)."""
+    from attnlab import accel
     capped, r = _native_avx2(), tiny_run
-    assert r["device"] == "cpu" and "tiny_bf16" not in r and "matmul_peak_GFLOPs_bf16" not in r  # --dtype fp32 only
+    assert r["device"] == "cpu" and ("tiny_bf16" in r) is ("matmul_peak_GFLOPs_bf16" in r) is accel.bf16_native("cpu")
     if capped:
         assert "(AVX2" in r["cpu"]
         assert {r["tiny_fp32"][key]["cpu_capability"] for key in ("attnlab", "hf_marian", "torch_nn_transformer")} == {"AVX2"}

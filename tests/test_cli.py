@@ -98,11 +98,14 @@ def test_doctor_says_whose_quantised_kernels_run(capsys, monkeypatch):
 
 def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     """doctor.build_kernels: every probe it names is a function of attnlab's; it runs each in a process of its own,
-    ``jobs`` at a time (here stand-in probes that record when they ran), then stamps torch's extension folder so
-    that the next doctor runs none; a probe that fails leaves no stamp; ATTNLAB_OWN_KERNELS=0 builds nothing."""
+    ``jobs`` at a time (here stand-in probes that record when they ran), then stamps torch's extension folder with the
+    kernel libraries there, so that the next doctor runs none, unless one of those libraries was built again since
+    (another checkout's build); a probe that fails leaves no stamp; ATTNLAB_OWN_KERNELS=0 builds nothing."""
     import importlib
     import json
+    import os
     from attnlab import accel, doctor
+    monkeypatch.delenv("ATTNLAB_OWN_KERNELS", raising=False)  # (the suite also runs with every fast path off)
     for probe in doctor.KERNEL_PROBES:
         module, name = probe.split(":")
         assert callable(getattr(importlib.import_module(module), name)), probe
@@ -112,11 +115,14 @@ def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     (tmp_path / "probes.py").write_text(
         "import json, os, sys, time\n"
         "def ran(name):\n"
-        "    start = time.time(); time.sleep(1.0)\n"
+        "    start = time.time(); time.sleep(1.5)\n"
         f"    open(os.path.join({str(tmp_path)!r}, name + '.json'), 'w').write(json.dumps([start, time.time()]))\n"
         "def a(): ran('a')\ndef b(): ran('b')\ndef c(): ran('c')\ndef broken(): sys.exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    library = tmp_path / "ext" / "attnlab_x" / "attnlab_x.so"  # (a kernel built before)
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")
     stamps = lambda: list((tmp_path / "ext").glob("attnlab_kernels_*.built"))  # noqa: E731
     monkeypatch.setattr(doctor, "KERNEL_PROBES", ("probes:a", "probes:b", "probes:c"))
     assert doctor.build_kernels(jobs=2) is True and len(stamps()) == 1
@@ -125,6 +131,10 @@ def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     assert c0 >= min(a1, b1) - 0.05  # c only once one of them had ended (2 at a time)
     (tmp_path / "a.json").unlink()
     assert doctor.build_kernels() is False and not (tmp_path / "a.json").exists()  # stamped: nothing runs
+    os.utime(library, ns=(library.stat().st_atime_ns, library.stat().st_mtime_ns + 10 ** 9))  # built again
+    monkeypatch.setattr(doctor, "KERNEL_PROBES", ("probes:a",))
+    assert doctor.build_kernels() is True and (tmp_path / "a.json").exists()
+    assert doctor.build_kernels() is False  # (stamped again)
     stamps()[0].unlink()
     monkeypatch.setattr(doctor, "KERNEL_PROBES", ("probes:a", "probes:broken"))
     assert doctor.build_kernels() is True and stamps() == []

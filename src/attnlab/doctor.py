@@ -29,38 +29,58 @@ KERNEL_PROBES = ("attnlab.accel:linear_kernel_serves", "attnlab.model.attention:
 
 
 def build_kernels(jobs: int | None = None) -> bool:
-    """Build attnlab's kernels for this CPU side by side, ``jobs`` at a time (default: the cores), one process
-    each, so that the report's own probes (and every later process) only load them from torch's extension
-    cache. Returns whether it ran the builds: not where a stamp in that cache says this set of sources, flags,
-    PyTorch and Python built there already.
+    """Build attnlab's kernels for this CPU side by side, ``jobs`` at a time (default: the cores this process
+    may use), one process each, so that the report's own probes (and every later process) only load them from
+    torch's extension cache. Returns whether it ran the builds: not where a stamp in that cache says that this
+    set of sources, build settings, compiler, PyTorch and Python built there, and that the libraries it made
+    are still the ones there (another checkout's virtual environment, whose include paths differ, rebuilds
+    them in the same folders).
 
     Why: each kernel is one C++ file compiled with PyTorch's headers, 10-25 s of one core on a 2-core AVX2
-    EPYC, and a process builds the kernels it asks for one after another. Side by side, a cold machine's
-    doctor (and `make test`, which starts with it) waits for the slowest build, not for their sum. Where a child
-    fails nothing is lost: the report builds that kernel again itself and says what it found."""
+    EPYC, and a process builds the kernels it asks for one after another: side by side, a cold machine's doctor
+    (and `make test`, which starts with it) waits about half as long on 2 cores. Where a child fails, nothing is
+    lost: the report builds that kernel again itself and says what it found, and no stamp is written."""
     from concurrent.futures import ThreadPoolExecutor
     from torch.utils import cpp_extension
     if accel._env_off("ATTNLAB_OWN_KERNELS") or platform.system() != "Linux" or not accel.can_build_kernels():
         return False
-    csrc = Path(__file__).parent / "csrc"
-    key = hashlib.sha256(repr((sys.executable, torch.__version__, accel.own_kernel_target(True),
-                               os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("ATTNLAB_QUANT_KERNELS"),
-                               sorted((p.name, p.read_bytes()) for p in csrc.iterdir() if p.is_file()))).encode())
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()  # (as torch's builds ask)
-    stamp = Path(root) / f"attnlab_kernels_{key.hexdigest()[:16]}.built"
-    if stamp.exists():
+    here = Path(__file__).resolve().parent
+    sources = [*sorted((here / "csrc").glob("*.[ch]*")), here / "accel.py", here / "quant.py",  # (their build settings)
+               here / "model" / "layers.py", here / "model" / "attention.py"]
+    key = hashlib.sha256(repr((sys.executable, torch.__version__, accel.cxx_compiler(), accel.own_kernel_target(True),
+                               os.environ.get("ATTNLAB_QUANT_KERNELS"),
+                               [(p.name, p.read_bytes()) for p in sources])).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()).resolve()
+    stamp = root / f"attnlab_kernels_{key}.built"
+
+    def libraries() -> set[str]:  # the kernels' libraries in the cache now, with their times
+        return {f"{p} {p.stat().st_mtime_ns}" for p in root.glob("**/attnlab_*/attnlab_*.so")}
+
+    if stamp.is_file() and set(stamp.read_text().splitlines()) <= libraries():  # (libraries added since: no matter)
         return False
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root)} if "TORCH_EXTENSIONS_DIR" in os.environ else None
 
     def build(probe: str) -> int:
+        # the child's exit status: 1 where a build failed (the probes' "<kernel>-build" notes), not where a kernel
+        # does not apply here (no AVX2 for the quantised products); run from the folder holding this attnlab, so
+        # that `-c`'s current-folder entry on sys.path finds this package and no other
         module, name = probe.split(":")
-        return subprocess.run([sys.executable, "-c", f"from {module} import {name}; {name}()"],
+        code = (f"import sys; from {module} import {name}; {name}(); accel = sys.modules.get('attnlab.accel'); "
+                "sys.exit(bool(accel) and any(k.endswith('-build') for k in accel._said))")
+        return subprocess.run([sys.executable, "-c", code], cwd=here.parent, env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
 
-    with ThreadPoolExecutor(max(1, jobs or os.cpu_count() or 1)) as pool:
+    if jobs is None:
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print("building attnlab's C++ kernels for this CPU, side by side (once; a minute or two)...", file=sys.stderr,
+          flush=True)
+    with ThreadPoolExecutor(max(1, jobs or 1)) as pool:
         codes = list(pool.map(build, KERNEL_PROBES))
     if not any(codes):
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.touch()
+        try:
+            stamp.write_text("\n".join(sorted(libraries())))
+        except OSError:  # (a cache folder this user cannot write: the next doctor runs the children again)
+            pass
     return True
 
 

@@ -237,11 +237,11 @@ MAX_TOKEN_LABELS = 18
 
 
 def _labelled(tokens: list[str]) -> range:
-    """The positions whose tokens a panel labels: every one up to MAX_TOKEN_LABELS, else every k-th (from the
-    first), as many as fit. Past that, labels 6 pt tall sat on top of each other (57 tokens: one every ~2.6 pt,
+    """The positions whose tokens a panel labels: every one up to MAX_TOKEN_LABELS, else every k-th from the
+    first, k the smallest step that keeps them at most MAX_TOKEN_LABELS. Past that, labels 6 pt tall sat on top of each other (57 tokens: one every ~2.6 pt,
     unreadable), and laying them out was most of the picture's time (an untrained model's 57-token output: 10-12 s
     for the figure on a 2-core AVX2 EPYC, ad hoc)."""
-    return range(0, len(tokens), -(-len(tokens) // MAX_TOKEN_LABELS))
+    return range(0, len(tokens), max(1, -(-len(tokens) // MAX_TOKEN_LABELS)))
 
 
 def _suptitle_room(fig, title: str) -> float:
