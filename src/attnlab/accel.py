@@ -701,14 +701,18 @@ def built_once(cache: dict, lock, build) -> bool:
 _OWN_KERNEL_LOCK = threading.RLock()  # (training threads, or a server's, may ask first at once: one builds)
 
 
+def own_kernels_allowed() -> bool:
+    """Whether attnlab's own CPU training kernels may be tried here: not ``ATTNLAB_OWN_KERNELS=0``, and on Linux
+    (elsewhere the compiler flags differ)."""
+    return not _env_off("ATTNLAB_OWN_KERNELS") and platform.system() == "Linux"
+
+
 def own_kernel_serves(cache: dict, build) -> bool:
-    """Whether one of attnlab's own CPU training kernels (``csrc/``: dropout, GELU, attention) serves here: not
-    ``ATTNLAB_OWN_KERNELS=0``, on Linux (elsewhere the compiler flags differ), and ``build()`` true, asked once
-    per process (:func:`built_once`, its answer in ``cache["ok"]``): built for this CPU's vector extensions as
-    PyTorch runs them (a C++ compiler and ninja) and right on its check."""
-    if _env_off("ATTNLAB_OWN_KERNELS") or platform.system() != "Linux":
-        return False
-    return built_once(cache, _OWN_KERNEL_LOCK, build)
+    """Whether one of attnlab's own CPU training kernels (``csrc/``: dropout, GELU, attention) serves here: where
+    :func:`own_kernels_allowed`, and ``build()`` true, asked once per process (:func:`built_once`, its answer in
+    ``cache["ok"]``): built for this CPU's vector extensions as PyTorch runs them (a C++ compiler and ninja) and
+    right on its check."""
+    return own_kernels_allowed() and built_once(cache, _OWN_KERNEL_LOCK, build)
 
 
 def own_kernel_target(fma: bool = False) -> tuple[str, list[str]]:

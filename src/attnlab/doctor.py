@@ -42,7 +42,7 @@ def build_kernels(jobs: int | None = None) -> bool:
     lost: the report builds that kernel again itself and says what it found, and no stamp is written."""
     from concurrent.futures import ThreadPoolExecutor
     from torch.utils import cpp_extension
-    if accel._env_off("ATTNLAB_OWN_KERNELS") or platform.system() != "Linux" or not accel.can_build_kernels():
+    if not (accel.own_kernels_allowed() and accel.can_build_kernels()):
         return False
     here = Path(__file__).resolve().parent
     sources = [*sorted((here / "csrc").glob("*.[ch]*")), here / "accel.py", here / "quant.py",  # (their build settings)

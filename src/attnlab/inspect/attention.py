@@ -211,18 +211,19 @@ def _attention_figure(maps: dict, title: str = ""):
         fig, axes = plt.subplots(3 * n_layers, n_heads, figsize=(2.6 * n_heads, 2.6 * 3 * n_layers),
                                  squeeze=False)
         for k, (key, label, ylab, xlab) in enumerate(kinds):
+            xs, ys = _labelled(maps[xlab]), _labelled(maps[ylab])  # (the same for every panel of a kind)
+            xlabels, ylabels = [maps[xlab][i] for i in xs], [maps[ylab][i] for i in ys]
             for layer in range(n_layers):
                 for h in range(n_heads):
                     ax = axes[k * n_layers + layer, h]
                     ax.imshow(maps[key][layer][h].float().numpy(), cmap="viridis", vmin=0, vmax=1,
                               aspect="auto")
-                    xs, ys = _labelled(maps[xlab]), _labelled(maps[ylab])
                     ax.set_xticks(xs)
-                    ax.set_xticklabels([maps[xlab][i] for i in xs], rotation=90, fontsize=6)
+                    ax.set_xticklabels(xlabels, rotation=90, fontsize=6)
                     # the heads of a row share its query tokens: labelled once, in the first column
                     # (a label per head made a long translation's picture ~2x slower to lay out and draw)
                     ax.set_yticks(ys)
-                    ax.set_yticklabels([maps[ylab][i] for i in ys] if h == 0 else [], fontsize=6)
+                    ax.set_yticklabels(ylabels if h == 0 else [], fontsize=6)
                     ax.set_title(f"{label}\nlayer {layer} head {h}", fontsize=7)
         top = 1.0
         if title:
@@ -238,9 +239,9 @@ MAX_TOKEN_LABELS = 18
 
 def _labelled(tokens: list[str]) -> range:
     """The positions whose tokens a panel labels: every one up to MAX_TOKEN_LABELS, else every k-th from the
-    first, k the smallest step that keeps them at most MAX_TOKEN_LABELS. Past that, labels 6 pt tall sat on top of each other (57 tokens: one every ~2.6 pt,
-    unreadable), and laying them out was most of the picture's time (an untrained model's 57-token output: 10-12 s
-    for the figure on a 2-core AVX2 EPYC, ad hoc)."""
+    first, k the smallest step that keeps them at most MAX_TOKEN_LABELS. Past that, labels 6 pt tall sat on top
+    of each other (57 tokens: one every ~2.6 pt, unreadable), and laying them out was most of the picture's time
+    (an untrained model's 57-token output: 10-12 s for the figure on a 2-core AVX2 EPYC, ad hoc)."""
     return range(0, len(tokens), max(1, -(-len(tokens) // MAX_TOKEN_LABELS)))
 
 
