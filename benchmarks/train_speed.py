@@ -646,21 +646,27 @@ def gemm_table(args) -> dict:
 
 def fp32_step_rows(args, row) -> dict:
     """{row name: ``row(run, n)``} for attnlab's fp32 steps of ``--shapes`` (``--steps`` calls a round) and, where
-    ``--data`` has Tiny Shakespeare, the trainer's update of nanoGPT's model (ten times as many): the rows of the
-    tables that time one of attnlab's kernels against its other path."""
+    ``--data`` has Tiny Shakespeare, the trainer's update of nanoGPT's model (:func:`nanogpt_update_rows`): the
+    rows of the tables that time one of attnlab's kernels against its other path."""
     out = {f"step {name} fp32": row(step, args.steps) for name, step, *_ in attnlab_shape_steps(args, False)}
+    return {**out, **nanogpt_update_rows(args, row)}
+
+
+def nanogpt_update_rows(args, row) -> dict:
+    """{"nanogpt update fp32": ``row(run, n)``} for the trainer's update of nanoGPT's model (``--steps`` × 10 calls
+    a round), where ``--data`` has Tiny Shakespeare; else {}."""
     work = shakespeare_text(args)
-    if work is not None:
-        trainer = lm_trainer(str(work / "input.txt"), str(work / "kernel_lm"), 10 ** 6, False, args.threads, False)
-        out["nanogpt update fp32"] = row(lambda: trainer._update(1e-3), max(3, args.steps * 10))
-    return out
+    if work is None:
+        return {}
+    trainer = lm_trainer(str(work / "input.txt"), str(work / "kernel_lm"), 10 ** 6, False, args.threads, False)
+    return {"nanogpt update fp32": row(lambda: trainer._update(1e-3), max(3, args.steps * 10))}
 
 
-def own_kernel_table(args, what: str, cache: dict, built, other: str) -> dict:
+def own_kernel_table(args, what: str, cache: dict, built, other: str, rows=fp32_step_rows) -> dict:
     """attnlab's fp32 steps on ``--shapes`` and, where ``--data`` has Tiny Shakespeare, the trainer's update of
-    nanoGPT's model, with one of attnlab's own kernels (``built()``: whether it serves; ``cache``: its cached
-    answer) and without it (that answer switched off, so ``other`` serves; the other own kernels stay on), in
-    turns. Rows: ``kernel_ms``, ``<other>_ms`` and ``<other>_over_kernel``."""
+    nanoGPT's model (``rows``: which of them), with one of attnlab's own kernels (``built()``: whether it serves;
+    ``cache``: its cached answer) and without it (that answer switched off, so ``other`` serves; the other own
+    kernels stay on), in turns. Rows: ``kernel_ms``, ``<other>_ms`` and ``<other>_over_kernel``."""
     @contextlib.contextmanager
     def kernels(on: bool):  # attnlab's own kernels on (as --dropout does, whatever the environment says), this one or not
         with mock.patch.dict(os.environ, {"ATTNLAB_OWN_KERNELS": "1"}), \
@@ -676,7 +682,7 @@ def own_kernel_table(args, what: str, cache: dict, built, other: str) -> dict:
         r = in_turns(step, n, args.rounds, paths)
         return {**r, f"{other}_over_kernel": round(r[f"{other}_ms"] / r["kernel_ms"], 3)}
 
-    return fp32_step_rows(args, row)
+    return rows(args, row)
 
 
 # -- each part's cost inside the step: the part swapped for a one-pass stand-in, in turns ------------
@@ -692,6 +698,7 @@ def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
     ``as_is_ms`` is the run's noise. It comes last, so that the two stand at the ends of each round (the order
     flips every round) and the control sees the drift across a round, as the stand-ins in between do."""
     from attnlab.model import layers
+    from attnlab.train import trainer as trainer_module
     from attnlab.train.tasks import base
     norms = [m for m in model.modules() if isinstance(m, (nn.LayerNorm, layers.RMSNorm))]
     ffns = [m for m in model.modules() if isinstance(m, layers.PositionwiseFeedForward)]
@@ -719,7 +726,7 @@ def _stand_ins(model: nn.Module, optimizer, clips: bool) -> dict:
              "norm_stand_in_ms": lambda: patched(*(mock.patch.object(m, "forward", norm.__get__(m)) for m in norms)),
              "activation_stand_in_ms": lambda: patched(*(mock.patch.object(m, "act", lambda x: x * 1.0) for m in ffns)),
              "loss_other_path_ms": lambda: mock.patch.object(base, "FUSED_LOSS_MIN_VOCAB", other_loss_path),
-             "no_clipping_ms": lambda: mock.patch.object(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: None),
+             "no_clipping_ms": lambda: mock.patch.object(trainer_module, "clip_grad_norm", lambda *a, **k: None),
              "no_optimizer_step_ms": lambda: mock.patch.object(optimizer, "step", lambda *a, **k: None)}
     if not clips:
         del paths["no_clipping_ms"]
@@ -756,6 +763,16 @@ def gelu_table(args) -> dict:
     """``own_kernel_table`` for attnlab's GELU kernel (``csrc/gelu.cpp``, ``layers.gelu``) against ``F.gelu``."""
     from attnlab.model import layers
     return own_kernel_table(args, "GELU kernel", layers._GELU, layers.fused_gelu, "f_gelu")
+
+
+def clip_table(args) -> dict:
+    """``own_kernel_table`` for attnlab's gradient-clipping kernel (``csrc/grad_norm.cpp``, ``train.clipping``)
+    against ``torch.nn.utils.clip_grad_norm_``, on the trainer's update of nanoGPT's model (which clips at 1.0, as
+    nanoGPT does; the step tables' sides do not clip): {"skipped": why} without Tiny Shakespeare in ``--data``."""
+    from attnlab.train import clipping
+    return (own_kernel_table(args, "gradient-clipping kernel", clipping._CLIP, clipping.fused_clip, "torch_clip",
+                             rows=nanogpt_update_rows)
+            or {"skipped": f"--data {args.data}: no Tiny Shakespeare there"})
 
 
 def attention_kernel_table(args) -> dict:
@@ -1226,13 +1243,13 @@ def nanogpt_interleaved(args) -> dict:
 
 
 # The CPU tables behind their --flags (the argparse names), run in this order after the step tables
-TABLES = {"dropout": dropout_table, "gelu": gelu_table, "attention_kernel": attention_kernel_table,
+TABLES = {"dropout": dropout_table, "gelu": gelu_table, "clip": clip_table, "attention_kernel": attention_kernel_table,
           "packed_attention": packed_attention_table, "gemm": gemm_table, "linear_kernel": linear_kernel_table,
           "attention_products": attention_products_table,
           "attention": attention_table, "ablate": ablation_table, "attention_keys": attention_keys_table,
           "loss_paths": loss_paths_table}
 # ... those of them that time their own steps of --shapes, in place of the step tables
-OWN_STEPS = ("dropout", "gelu", "attention_kernel", "packed_attention", "gemm", "linear_kernel", "attention_products",
+OWN_STEPS = ("dropout", "gelu", "clip", "attention_kernel", "packed_attention", "gemm", "linear_kernel", "attention_products",
              "ablate")
 
 
@@ -1266,6 +1283,9 @@ def main():
     ap.add_argument("--gelu", action="store_true",
                     help="time attnlab's fp32 steps of --shapes and nanoGPT's update with attnlab's GELU kernel "
                          "against F.gelu, in turns")
+    ap.add_argument("--clip", action="store_true",
+                    help="time nanoGPT's update with attnlab's gradient-clipping kernel against "
+                         "torch.nn.utils.clip_grad_norm_, in turns (--data: Tiny Shakespeare)")
     ap.add_argument("--attention-kernel", action="store_true",
                     help="time attnlab's fp32 steps of --shapes and nanoGPT's update with attnlab's attention kernel "
                          "against ShortAttention's torch ops, in turns")

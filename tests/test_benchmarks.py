@@ -196,7 +196,7 @@ def tables(tmp_path_factory, shakespeare_stand_in):
     only where attnlab's kernels build (Linux, a C++ compiler), as their tests skip elsewhere."""
     tmp = tmp_path_factory.mktemp("tables")
     shakespeare_stand_in(tmp / "data", 400)
-    kernels = ["--dropout", "--gelu", "--attention-kernel", "--packed-attention", "--linear-kernel"]
+    kernels = ["--dropout", "--gelu", "--clip", "--attention-kernel", "--packed-attention", "--linear-kernel"]
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--attention",
                           "--attention-shapes", "nanogpt", "--gemm", "--ablate", "--attention-keys", "16,80",
                           *(kernels if _own_kernels_build_here() else []), "--shapes", "tiny", "--steps", "1",
@@ -248,10 +248,11 @@ def test_train_speed_dropout_table_runs(tables):
 
 
 @pytest.mark.parametrize("flag, other", [("--gelu", "f_gelu"), ("--attention-kernel", "torch_ops"),
-                                         ("--linear-kernel", "python")])
+                                         ("--linear-kernel", "python"), ("--clip", "torch_clip")])
 def test_train_speed_own_kernel_table_runs(tables, flag, other):
-    """train_speed.py --gelu / --attention-kernel / --linear-kernel: attnlab's GELU, attention or linear kernel
-    against F.gelu, ShortAttention's torch ops or the Python OneDNNLinear in turns, on a whole (tiny) Marian step and
+    """train_speed.py --gelu / --attention-kernel / --linear-kernel / --clip: attnlab's GELU, attention, linear or
+    gradient-clipping kernel against F.gelu, ShortAttention's torch ops, the Python OneDNNLinear or
+    torch.nn.utils.clip_grad_norm_ in turns, on a whole (tiny) Marian step (not --clip: that step does not clip) and
     on the trainer's update of nanoGPT's model (a small text given as --data), and their ratio (--linear-kernel: also
     the kernel with MKL's weight gradient, or why it was skipped, where the products take MKL anyway). The attention
     kernel's table comes with --packed-attention's (all in the one process of the fixture ``tables``): self-attention on the packed operator against
@@ -269,7 +270,7 @@ def test_train_speed_own_kernel_table_runs(tables, flag, other):
     if flag == "--linear-kernel" and not _onednn_training_products():
         assert "no AVX-512" in table["skipped"]
         return
-    assert set(table) == {"step tiny fp32", "nanogpt update fp32"}
+    assert set(table) == ({"nanogpt update fp32"} if flag == "--clip" else {"step tiny fp32", "nanogpt update fp32"})
     for row in table.values():
         assert row["kernel_ms"] > 0 and row[f"{other}_ms"] > 0
         assert row[f"{other}_over_kernel"] == round(row[f"{other}_ms"] / row["kernel_ms"], 3)
@@ -305,8 +306,8 @@ def test_ablation_stand_ins_swap_each_part_and_put_it_back(vocab):
         sys.path.remove(str(ROOT / "benchmarks"))
     from attnlab.config import TransformerConfig
     from attnlab.model import build_model
+    from attnlab.train import trainer
     from attnlab.train.tasks.base import output_loss
-    from attnlab.train.trainer import make_adamw
     torch = pytest.importorskip("torch")
     cfg = TransformerConfig(family="decoder-only", vocab_size=vocab, d_model=32, n_heads=4, n_decoder_layers=2,
                             d_ff=64, max_len=16, activation="gelu", norm_placement="pre", positions="learned",
@@ -314,7 +315,7 @@ def test_ablation_stand_ins_swap_each_part_and_put_it_back(vocab):
     torch.manual_seed(0)
     model = build_model(cfg).train()
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = make_adamw(model.parameters(), lr=1e-2)
+    opt = trainer.make_adamw(model.parameters(), lr=1e-2)
     ids = torch.randint(4, vocab, (3, 16))
 
     def update():
@@ -324,7 +325,7 @@ def test_ablation_stand_ins_swap_each_part_and_put_it_back(vocab):
         loss = output_loss(model, model(ids[:, :-1], hidden_only=True), ids[:, 1:], None, 0.1)[0]
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]  # (before the clipping: their own scale)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        trainer.clip_grad_norm(model.parameters(), 1e-3)  # (the trainer's, looked up as the trainer does)
         grads += [p.grad.clone() for p in model.parameters()]
         opt.step()
         return loss.detach(), grads, [p.detach().clone() for p in model.parameters()]

@@ -206,6 +206,62 @@ def test_adamw_is_fused_where_the_device_has_it_and_computes_plain_adamw():
     plain.load_state_dict(fused.state_dict())  # checkpoints written with one load into the other
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_gradient_clipping_equals_torch_and_float64(path, monkeypatch):
+    """train.clipping.clip_grad_norm, with attnlab's kernel (csrc/grad_norm.cpp; skipped where it cannot build) and
+    without: the norm of all gradients together as float64 computes it and as torch.nn.utils.clip_grad_norm_
+    returns it; gradients scaled as torch scales them where the norm exceeds max_norm (sizes ending inside a
+    16,384-float chunk and inside a vector, a 2-D weight, a parameter without a gradient, more floats than one
+    thread takes), untouched bit for bit where it does not, and NaN where torch's are for a gradient holding inf."""
+    import platform
+
+    from attnlab.train import clipping
+    if path == "torch":
+        monkeypatch.setenv("ATTNLAB_OWN_KERNELS", "0")
+    else:
+        monkeypatch.delenv("ATTNLAB_OWN_KERNELS", raising=False)
+        if platform.system() != "Linux" or not accel.can_build_kernels():
+            pytest.skip("attnlab's own kernels are built on Linux with a C++ compiler and ninja")
+    assert clipping.fused_clip() == (path == "kernel")  # (where the tools are, a failed build fails here)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1,), (7,), (16391,), (40000,), (96, 130), (3,)]
+
+    def params(scale=1.0):
+        ps = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        for p in ps[:-1]:  # (the last has no gradient)
+            p.grad = torch.randn(p.shape, generator=g) * scale
+        return ps
+
+    for max_norm, scale in ((1.0, 1.0), (1e6, 1.0), (0.5, 1e-3)):
+        ours = params(scale)
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        for p, q in zip(ours, theirs):
+            q.grad = None if p.grad is None else p.grad.clone()
+        before = [p.grad.clone() for p in ours[:-1]]
+        norm = clipping.clip_grad_norm(iter(ours), max_norm)  # (an iterator, as model.parameters())
+        want = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+        norm64 = torch.cat([b.double().flatten() for b in before]).norm()
+        assert norm.dtype == torch.float32 and norm.dim() == 0
+        assert torch.allclose(norm.double(), norm64, rtol=1e-6, atol=0) and torch.allclose(norm, want, rtol=1e-6, atol=0)
+        assert ours[-1].grad is None
+        if float(norm64) <= max_norm:
+            assert all(torch.equal(p.grad, b) for p, b in zip(ours, before))
+        for p, q, b in zip(ours[:-1], theirs[:-1], before):
+            assert torch.allclose(p.grad, q.grad, rtol=2e-6, atol=0)
+            assert torch.allclose(p.grad.double(), b.double() * min(1.0, max_norm / (float(norm64) + 1e-6)),
+                                  rtol=2e-6, atol=0)
+    ours = params()
+    ours[2].grad[5] = float("inf")
+    theirs = [p.grad.clone() for p in ours[:-1]]
+    assert clipping.clip_grad_norm(ours, 1.0).isinf()
+    ref = [torch.nn.Parameter(torch.zeros_like(t)) for t in theirs]
+    for p, t in zip(ref, theirs):
+        p.grad = t
+    torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.grad, q.grad, equal_nan=True, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_training_takes_the_eager_steps(tmp_path):
     """`attnlab train --compile` (inductor): the same updates as eager training, and a model directory

@@ -20,12 +20,14 @@ from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_is
                     packed_linear_ok)
 from .model.attention import fused_short_attention
 from .model.layers import fused_dropout, fused_gelu
+from .train.clipping import fused_clip
 
 
 # attnlab's own C++ kernels (``csrc/``), each built on first use by the function named here (which answers
 # whether it serves; ``report`` asks every one of them), the longest builds first
 KERNEL_PROBES = ("attnlab.accel:linear_kernel_serves", "attnlab.model.attention:fused_short_attention",
-                 "attnlab.model.layers:fused_gelu", "attnlab.model.layers:fused_dropout", "attnlab.quant:own_kernels")
+                 "attnlab.model.layers:fused_gelu", "attnlab.model.layers:fused_dropout", "attnlab.quant:own_kernels",
+                 "attnlab.train.clipping:fused_clip")
 
 
 def build_kernels(jobs: int | None = None) -> bool:
@@ -46,7 +48,7 @@ def build_kernels(jobs: int | None = None) -> bool:
         return False
     here = Path(__file__).resolve().parent
     sources = [*sorted((here / "csrc").glob("*.[ch]*")), here / "accel.py", here / "quant.py",  # (their build settings)
-               here / "model" / "layers.py", here / "model" / "attention.py"]
+               here / "model" / "layers.py", here / "model" / "attention.py", here / "train" / "clipping.py"]
     key = hashlib.sha256(repr((sys.executable, torch.__version__, accel.cxx_compiler(), accel.own_kernel_target(True),
                                os.environ.get("ATTNLAB_QUANT_KERNELS"),
                                [(p.name, p.read_bytes()) for p in sources])).encode()).hexdigest()[:16]
@@ -116,6 +118,7 @@ def report() -> dict:
         "own_gelu_kernel": fused_gelu(),
         "own_attention_kernel": fused_short_attention(),
         "own_linear_kernel": linear_kernel_serves(),
+        "own_clip_kernel": fused_clip(),
         "training_heap_refused": heap_setting_refused(),  # None: training keeps freed memory (accel.keep_freed_memory)
         "glibc": glibc_version(),
         "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE",
@@ -162,6 +165,9 @@ def doctor_text(r: dict | None = None) -> str:
         "  short attention, train (CPU)  " + ("attnlab's kernel (fp32; bf16 and T5's learned bias: ShortAttention's "
                                               "torch ops)" if r["own_attention_kernel"] else
                                               "ShortAttention's torch ops (attnlab's kernel: not built here or switched off)"),
+        "  gradient clipping (CPU, fp32) " + ("attnlab's kernel (all gradients in one pass for the norm, one to scale)"
+                                             if r["own_clip_kernel"] else "torch.nn.utils.clip_grad_norm_ (attnlab's "
+                                             "kernel: not built here or switched off)"),
         "  freed memory, training (CPU)  " + (f"kept in the heap for the next step (glibc {r['glibc']} mallopt)"
                                              if r["training_heap_refused"] is None
                                              else f"the C library's default heap: {r['training_heap_refused']}"),

@@ -20,6 +20,7 @@ import torch
 from ..accel import accelerate_for_training, keep_freed_memory, pick_device, resolve_bf16
 from ..model import build_model
 from ..modeldir import atomic_write, save_model_dir, save_task_info, save_weights
+from .clipping import clip_grad_norm
 from .options import TrainArgs
 from .tasks import TASKS, DataPosition, label_smoothed_loss
 
@@ -304,7 +305,7 @@ class Trainer:
             stats["loss_n"] += n
             stats["tokens"] += n_in
         if args.clip_norm:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_norm)
+            clip_grad_norm(self.model.parameters(), args.clip_norm)
         self.optimizer.step()
         self.step += 1
 
