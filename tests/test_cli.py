@@ -63,7 +63,7 @@ def test_doctor_reports_paths(capsys):
     import json
     r = json.loads(capsys.readouterr().out)
     assert {"torch", "cpu_flags", "bf16_native_cpu", "packed_linear_bf16", "compile_cpu", "threads",
-            "own_quant_kernels", "own_quant_kernels_compiled", "own_dropout_kernel", "own_gelu_kernel", "own_attention_kernel", "own_linear_kernel", "training_heap_refused"} <= set(r)
+            "own_quant_kernels", "own_quant_kernels_compiled", "own_dropout_kernel", "own_gelu_kernel", "own_attention_kernel", "own_linear_kernel", "own_clip_kernel", "training_heap_refused"} <= set(r)
 
 
 def test_doctor_says_whether_training_keeps_freed_memory(capsys, monkeypatch):

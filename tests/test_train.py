@@ -212,7 +212,8 @@ def test_gradient_clipping_equals_torch_and_float64(path, monkeypatch):
     without: the norm of all gradients together as float64 computes it and as torch.nn.utils.clip_grad_norm_
     returns it; gradients scaled as torch scales them where the norm exceeds max_norm (sizes ending inside a
     16,384-float chunk and inside a vector, a 2-D weight, a parameter without a gradient, more floats than one
-    thread takes), untouched bit for bit where it does not, and NaN where torch's are for a gradient holding inf."""
+    thread takes), untouched bit for bit where it does not; torch's very answer for a gradient holding inf, NaN or
+    a value whose square float32 cannot hold, and for one gradient given twice; the same bits on one thread and two."""
     import platform
 
     from attnlab.train import clipping
@@ -232,12 +233,15 @@ def test_gradient_clipping_equals_torch_and_float64(path, monkeypatch):
             p.grad = torch.randn(p.shape, generator=g) * scale
         return ps
 
-    for max_norm, scale in ((1.0, 1.0), (1e6, 1.0), (0.5, 1e-3)):
+    def copies(ps):
+        out = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        for p, q in zip(out, ps):
+            p.grad = None if q.grad is None else q.grad.clone()
+        return out
+
+    for max_norm, scale in ((1.0, 1.0), (3.0, 1.0), (1e6, 1.0), (0.5, 1e-3)):  # (norms ~262, ~262, ~262, ~0.26)
         ours = params(scale)
-        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-        for p, q in zip(ours, theirs):
-            q.grad = None if p.grad is None else p.grad.clone()
-        before = [p.grad.clone() for p in ours[:-1]]
+        theirs, before = copies(ours), [p.grad.clone() for p in ours[:-1]]
         norm = clipping.clip_grad_norm(iter(ours), max_norm)  # (an iterator, as model.parameters())
         want = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
         norm64 = torch.cat([b.double().flatten() for b in before]).norm()
@@ -250,16 +254,34 @@ def test_gradient_clipping_equals_torch_and_float64(path, monkeypatch):
             assert torch.allclose(p.grad, q.grad, rtol=2e-6, atol=0)
             assert torch.allclose(p.grad.double(), b.double() * min(1.0, max_norm / (float(norm64) + 1e-6)),
                                   rtol=2e-6, atol=0)
-    ours = params()
-    ours[2].grad[5] = float("inf")
-    theirs = [p.grad.clone() for p in ours[:-1]]
-    assert clipping.clip_grad_norm(ours, 1.0).isinf()
-    ref = [torch.nn.Parameter(torch.zeros_like(t)) for t in theirs]
-    for p, t in zip(ref, theirs):
-        p.grad = t
-    torch.nn.utils.clip_grad_norm_(ref, 1.0)
-    for p, q in zip(ours, ref):
-        torch.testing.assert_close(p.grad, q.grad, equal_nan=True, rtol=0, atol=0)
+    for max_norm in (3.0, 0.3, 7.0, 10.0):  # integers, whose squares float32 sums exactly: the same norm as torch's,
+        ours = [torch.nn.Parameter(torch.zeros(40000))]  # so the same coefficient, as torch rounds it, and the same bits
+        ours[0].grad = torch.randint(-3, 4, (40000,), generator=g).float()
+        theirs = copies(ours)
+        assert torch.equal(clipping.clip_grad_norm(ours, max_norm), torch.nn.utils.clip_grad_norm_(theirs, max_norm))
+        assert torch.equal(ours[0].grad, theirs[0].grad), max_norm
+    for bad in (float("inf"), float("nan"), 1e30):
+        ours = params()
+        ours[2].grad[5] = bad
+        theirs = copies(ours)
+        torch.testing.assert_close(clipping.clip_grad_norm(ours, 1.0), torch.nn.utils.clip_grad_norm_(theirs, 1.0),
+                                   equal_nan=True, rtol=0, atol=0)
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p.grad, q.grad, equal_nan=True, rtol=0, atol=0)
+    p = params()[3]
+    q = copies([p])[0]
+    torch.testing.assert_close(clipping.clip_grad_norm([p, p], 1.0), torch.nn.utils.clip_grad_norm_([q, q], 1.0),
+                               rtol=0, atol=0)
+    assert torch.equal(p.grad, q.grad)
+    source, threads, got = params(), torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            ours = copies(source)
+            got.append((clipping.clip_grad_norm(ours, 3.0), [p.grad for p in ours[:-1]]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0][0], got[1][0]) and all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on CPU needs a C++ compiler")

@@ -2,19 +2,22 @@
 //
 // What torch.nn.utils.clip_grad_norm_(parameters, max_norm) computes (norm_type 2): the norm of every gradient
 // together, ‖g‖ = √Σg², and then each gradient times c = max_norm / (‖g‖ + 1e-6), where c < 1 (c ≥ 1 leaves them
-// as they are). Why a kernel: PyTorch has no multi-tensor ("foreach") kernels on CPU, so clip_grad_norm_ computes
-// one norm per parameter, stacks them, takes their norm and multiplies each gradient on its own: two operators per
-// parameter from Python, each its own split over the threads. Here the gradients' chunks make one list, split over
-// the threads once for the sums of squares and once for the multiply. nanoGPT's Shakespeare update (27
-// parameters, 0.8 M weights): ~1.1-1.4 ms of clipping → ~0.4 ms (docs/results.md, thirty-ninth #13 session).
+// as they are). Why a kernel: PyTorch's multi-tensor ("foreach") operators have no CPU kernels, so on CPU
+// clip_grad_norm_'s _foreach_norm and _foreach_mul_ fall back to one norm and one multiply per parameter, each
+// split over the threads on its own, with a stack and a norm of the norms between. Here the gradients' chunks make
+// one list, split over the threads once for the sums of squares and once for the multiply. Inside nanoGPT's
+// Shakespeare update (27 parameters, 0.8 M weights, 2 threads): 1.48 ms of clipping → 0.63 ms
+// (docs/results.md, thirty-ninth #13 session).
 //
-// The same numbers as torch's: the sum of squares in float64 (torch's in float32, so the norm can differ from
-// torch's in its last bit), c from that norm in float32 arithmetic as torch computes it, the multiply a float32
-// multiply as torch's mul_. Where c ≥ 1 the multiply is skipped: torch multiplies by exactly 1 (no sync on a GPU),
-// which changes no bit. A non-finite norm gives c = 0 or NaN and the multiply makes the gradients NaN where torch's
-// would. The partial sums are added in the chunks' order, so the norm does not depend on the number of threads.
-// Built on first use by torch.utils.cpp_extension (attnlab.accel.build_torch_ops); tests/test_train.py compares it
-// with torch's clip_grad_norm_ and with float64.
+// The same numbers as torch's, but for the norm's last bit: the squares are summed in float64 (torch sums them in
+// float32; a sum past float32's range is inf, as torch's), c is computed from the float32 norm as torch computes
+// it (the reciprocal of norm + 1e-6, times max_norm, in float32), and the multiply is a float32 multiply, as
+// torch's mul_. Where c ≥ 1 the multiply is skipped: torch multiplies by exactly 1 (to avoid a sync on a GPU),
+// which changes no bit. A non-finite norm gives c = 0 or NaN, and the multiply then makes the gradients 0 or NaN
+// as torch's. The partial sums are added in the chunks' order: the norm does not depend on the number of threads.
+// The gradients must not share memory (attnlab.train.clipping leaves repeated ones to torch). Built on first use
+// by torch.utils.cpp_extension (attnlab.accel.build_torch_ops); tests/test_train.py compares it with torch's
+// clip_grad_norm_ and with float64.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -24,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -68,9 +72,11 @@ at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm) {
   });
   double sum = 0;
   for (double s : partial) sum += s;
-  const float norm = static_cast<float>(std::sqrt(sum));
-  // torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to 1, in float32
-  const float coef = static_cast<float>(max_norm) / (norm + 1e-6f);
+  const float norm = sum > std::numeric_limits<float>::max() ? std::numeric_limits<float>::infinity()
+                                                               : static_cast<float>(std::sqrt(sum));
+  // torch: clip_coef = max_norm / (total_norm + 1e-6), a float over a float32 tensor, which Tensor.__rdiv__
+  // computes as (total_norm + 1e-6).reciprocal() * max_norm; then clamped to 1
+  const float coef = (1.0f / (norm + 1e-6f)) * static_cast<float>(max_norm);
   if (!(coef >= 1.0f)) {  // (NaN too)
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {

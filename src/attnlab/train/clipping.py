@@ -16,12 +16,15 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: 
     each gradient times max_norm / (norm + 1e-6) where that is below 1). Where every gradient is a contiguous fp32
     CPU tensor and attnlab's kernel builds (``csrc/grad_norm.cpp``, :func:`fused_clip`), in two passes over all of
     them together instead of two operators per parameter; the same result but for the norm's last bit (its sum in
-    float64, torch's in float32)."""
+    float64, torch's in float32). A gradient given twice goes to torch, which scales it twice."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    if (grads and all(g.device.type == "cpu" and g.dtype == torch.float32 and g.layout == torch.strided
-                      and g.is_contiguous() for g in grads) and fused_clip()):
-        return torch.ops.attnlab.clip_grad_norm_(grads, float(max_norm))
+    if (grads and all(type(g) is torch.Tensor and g.device.type == "cpu" and g.dtype == torch.float32
+                      and g.layout == torch.strided and g.is_contiguous() for g in grads)
+            and len({g.data_ptr() for g in grads}) == len(grads)  # (one gradient twice: torch scales it twice)
+            and fused_clip()):
+        with torch.no_grad():
+            return torch.ops.attnlab.clip_grad_norm_(grads, float(max_norm))
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
