@@ -119,6 +119,7 @@ def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
         f"    open(os.path.join({str(tmp_path)!r}, name + '.json'), 'w').write(json.dumps([start, time.time()]))\n"
         "def a(): ran('a')\ndef b(): ran('b')\ndef c(): ran('c')\ndef broken(): sys.exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))  # (the stamp's key reads the probes' own module too)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     library = tmp_path / "ext" / "attnlab_x" / "attnlab_x.so"  # (a kernel built before)
     library.parent.mkdir(parents=True)

@@ -5,6 +5,7 @@ threads, torch)."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import platform
@@ -47,8 +48,9 @@ def build_kernels(jobs: int | None = None) -> bool:
     if not (accel.own_kernels_allowed() and accel.can_build_kernels()):
         return False
     here = Path(__file__).resolve().parent
-    sources = [*sorted((here / "csrc").glob("*.[ch]*")), here / "accel.py", here / "quant.py",  # (their build settings)
-               here / "model" / "layers.py", here / "model" / "attention.py", here / "train" / "clipping.py"]
+    probe_modules = sorted({probe.split(":")[0] for probe in KERNEL_PROBES})  # (they set the build settings)
+    sources = [*sorted((here / "csrc").glob("*.[ch]*")),
+               *(Path(importlib.import_module(m).__file__) for m in probe_modules)]
     key = hashlib.sha256(repr((sys.executable, torch.__version__, accel.cxx_compiler(), accel.own_kernel_target(True),
                                os.environ.get("ATTNLAB_QUANT_KERNELS"),
                                [(p.name, p.read_bytes()) for p in sources])).encode()).hexdigest()[:16]
