@@ -34,6 +34,24 @@ def test_python_dash_m():
     assert out.returncode == 0 and "params" in out.stdout
 
 
+def test_commands_start_without_importing_torch_dynamo():
+    """torch._dynamo takes ~1.5 s to import, most of a command's start: `import attnlab` and an eager forward
+    must not pull it in. attention.py marks its CPU check constant for torch.compile by hand instead; the mark
+    must be the very one torch.compiler.assume_constant_result sets, or compiled attention would break its graph."""
+    code = ("import sys, torch, attnlab.cli\n"
+            "from attnlab import TransformerConfig, build_model\n"
+            "from attnlab.model import attention\n"
+            "m = build_model(TransformerConfig(family='decoder-only', vocab_size=11, d_model=16, n_heads=2, n_decoder_layers=1, d_ff=32)).eval()\n"
+            "m(torch.randint(0, 11, (1, 5)))\n"
+            "before = 'torch._dynamo' in sys.modules\n"
+            "def f(): return 0\n"
+            "torch.compiler.assume_constant_result(f)\n"
+            "print(before, vars(attention._cpu_bf16_native) == vars(f) != {})\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]
+
+
 def test_flag_out_of_range_is_a_usage_error(capsys):
     import pytest
     with pytest.raises(SystemExit) as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -153,7 +154,17 @@ SHORT_KEYS_KERNEL = 256
 BF16_PRODUCTS_MIN_HEAD_DIM = 64
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing torch._dynamo at import time: that import
+    alone takes ~1.5 s, most of every ``attnlab`` command's start. The decorator only sets this attribute
+    (torch/_dynamo/decorators.py); tests/test_pitfalls.py checks that it still does."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _cpu_bf16_native() -> bool:
     # a constant to torch.compile (it cannot trace the /proc/cpuinfo read behind it: a graph break there
     # would leave ShortAttention eager); eager calls ask each time (ATTNLAB_NO_BF16 may change)
