@@ -118,7 +118,7 @@ def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     """doctor.build_kernels: every probe it names is a function of attnlab's; it runs each in a process of its own,
     ``jobs`` at a time (here stand-in probes that record when they ran), then stamps torch's extension folder with the
     kernel libraries there, so that the next doctor runs none, unless one of those libraries was built again since
-    (another checkout's build); a probe that fails leaves no stamp; ATTNLAB_OWN_KERNELS=0 builds nothing."""
+    (its source changed, say); a probe that fails leaves no stamp; ATTNLAB_OWN_KERNELS=0 builds nothing."""
     import importlib
     import json
     import os

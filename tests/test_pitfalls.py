@@ -711,10 +711,12 @@ def test_own_kernels_build_with_the_ninja_package_whatever_comes_first_on_path(m
     """attnlab's kernels build with the ``ninja`` package's binary, not whichever ninja PATH finds first: ninja
     keeps a hash of each command in the build folder and versions differ in it, so two processes that found
     different ninjas (a shell with the virtual environment activated and one without, as the suite's forked
-    commands and its own process were) rebuilt each other's kernels every time they took turns."""
+    commands and its own process were) rebuilt each other's kernels every time they took turns. For the same
+    reason each Python environment builds in folders of its own (two virtual environments' include paths differ)."""
     import os
     import shutil
     import subprocess
+    import sys
     import threading
     import time
     from pathlib import Path
@@ -757,11 +759,21 @@ def test_own_kernels_build_with_the_ninja_package_whatever_comes_first_on_path(m
     if accel.cxx_compiler() is not None:  # and the build itself runs with the package's ninja first
         from torch.utils import cpp_extension
         seen = []
-        monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append((shutil.which("ninja"), kw["name"])))
+        monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append((shutil.which("ninja"), kw["name"],
+                                                                            kw["build_directory"])))
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
         assert accel.build_torch_ops("attnlab_test_only", "gelu.cpp", [], "an_op_not_loaded") is None
         assert len(seen) == 1 and seen[0][1] == "attnlab_test_only"
         assert Path(seen[0][0]).resolve() == (Path(ninja.BIN_DIR) / "ninja").resolve()
         assert os.environ["PATH"] == path
+        # built in a folder of this environment's own: another virtual environment (its include paths differ)
+        # builds beside it instead of over it
+        assert Path(seen[0][2]).is_dir() and Path(seen[0][2]).parent == tmp_path
+        assert Path(seen[0][2]).name.startswith("attnlab_test_only-")
+        monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+        other = accel.kernel_build_directory("attnlab_test_only")
+        assert other != seen[0][2] and Path(other).parent == tmp_path
+        assert accel.kernel_build_directory("attnlab_test_only") == other
 
 
 def _dropout_path(monkeypatch, path):

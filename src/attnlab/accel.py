@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import logging
 import os
 import platform
@@ -746,9 +747,23 @@ def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str |
     path = os.path.join(os.path.dirname(__file__), "csrc", source)
     # -fopenmp: at::parallel_for is PyTorch's OpenMP loop, serial in code built without it
     with package_ninja_first():
-        cpp_extension.load(name=name, sources=[path], is_python_module=False,
+        cpp_extension.load(name=name, sources=[path], is_python_module=False, build_directory=kernel_build_directory(name),
                            extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
     return None
+
+
+def kernel_build_directory(name: str) -> str:
+    """The folder where attnlab's kernel library ``name`` is built and cached: in torch's extension cache
+    (``TORCH_EXTENSIONS_DIR``, else its default), one per Python environment and PyTorch. Why: torch names its
+    folder after the library alone, and the same source built with another environment's include paths is
+    another ninja command, so two virtual environments (a clean clone's and a checkout's, say) rebuilt each
+    other's kernels, 10-25 s of a core each, whenever they took turns."""
+    from torch.utils import cpp_extension
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    where = repr((sys.prefix, os.path.dirname(os.path.realpath(torch.__file__)), torch.__version__))
+    folder = os.path.join(root, f"{name}-{hashlib.sha256(where.encode()).hexdigest()[:12]}")
+    os.makedirs(folder, exist_ok=True)
+    return folder
 
 
 def can_compile(device: torch.device | str = "cpu") -> bool:

@@ -36,8 +36,7 @@ def build_kernels(jobs: int | None = None) -> bool:
     may use), one process each, so that the report's own probes (and every later process) only load them from
     torch's extension cache. Returns whether it ran the builds: not where a stamp in that cache says that this
     set of sources, build settings, compiler, PyTorch and Python built there, and that the libraries it made
-    are still the ones there (another checkout's virtual environment, whose include paths differ, rebuilds
-    them in the same folders).
+    are still the ones there (each environment builds in folders of its own, ``accel.kernel_build_directory``).
 
     Why: each kernel is one C++ file compiled with PyTorch's headers, 10-25 s of one core on a 2-core AVX2
     EPYC, and a process builds the kernels it asks for one after another: side by side, a cold machine's doctor
