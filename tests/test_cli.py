@@ -117,8 +117,8 @@ def test_doctor_says_whose_quantised_kernels_run(capsys, monkeypatch):
 def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     """doctor.build_kernels: every probe it names is a function of attnlab's; it runs each in a process of its own,
     ``jobs`` at a time (here stand-in probes that record when they ran), then stamps torch's extension folder with the
-    kernel libraries there, so that the next doctor runs none, unless one of those libraries was built again since
-    (its source changed, say); a probe that fails leaves no stamp; ATTNLAB_OWN_KERNELS=0 builds nothing."""
+    environment's kernel libraries there, so that the next doctor runs none, unless one of those libraries was built
+    again since (its source changed, say; another environment's builds, in folders of their own, do not count); a probe that fails leaves no stamp; ATTNLAB_OWN_KERNELS=0 builds nothing."""
     import importlib
     import json
     import os
@@ -139,7 +139,7 @@ def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.syspath_prepend(str(tmp_path))  # (the stamp's key reads the probes' own module too)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    library = tmp_path / "ext" / "attnlab_x" / "attnlab_x.so"  # (a kernel built before)
+    library = tmp_path / "ext" / f"attnlab_x-{accel.environment_tag()}" / "attnlab_x.so"  # (a kernel built before)
     library.parent.mkdir(parents=True)
     library.write_bytes(b"")
     stamps = lambda: list((tmp_path / "ext").glob("attnlab_kernels_*.built"))  # noqa: E731
@@ -154,6 +154,11 @@ def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     monkeypatch.setattr(doctor, "KERNEL_PROBES", ("probes:a",))
     assert doctor.build_kernels() is True and (tmp_path / "a.json").exists()
     assert doctor.build_kernels() is False  # (stamped again)
+    other = tmp_path / "ext" / "attnlab_x-0123456789ab" / "attnlab_x.so"  # another environment's build, since
+    other.parent.mkdir()
+    other.write_bytes(b"")
+    (tmp_path / "a.json").unlink()
+    assert doctor.build_kernels() is False and not (tmp_path / "a.json").exists()  # leaves this one's stamp standing
     stamps()[0].unlink()
     monkeypatch.setattr(doctor, "KERNEL_PROBES", ("probes:a", "probes:broken"))
     assert doctor.build_kernels() is True and stamps() == []

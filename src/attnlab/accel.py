@@ -760,10 +760,16 @@ def kernel_build_directory(name: str) -> str:
     other's kernels, 10-25 s of a core each, whenever they took turns."""
     from torch.utils import cpp_extension
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    where = repr((sys.prefix, os.path.dirname(os.path.realpath(torch.__file__)), torch.__version__))
-    folder = os.path.join(root, f"{name}-{hashlib.sha256(where.encode()).hexdigest()[:12]}")
+    folder = os.path.join(root, f"{name}-{environment_tag()}")
     os.makedirs(folder, exist_ok=True)
     return folder
+
+
+def environment_tag() -> str:
+    """A short hash of this Python environment and its PyTorch (``sys.prefix``, PyTorch's folder and version): the
+    suffix of :func:`kernel_build_directory`'s folders."""
+    where = repr((sys.prefix, os.path.dirname(os.path.realpath(torch.__file__)), torch.__version__))
+    return hashlib.sha256(where.encode()).hexdigest()[:12]
 
 
 def can_compile(device: torch.device | str = "cpu") -> bool:

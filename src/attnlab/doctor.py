@@ -56,8 +56,8 @@ def build_kernels(jobs: int | None = None) -> bool:
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()).resolve()
     stamp = root / f"attnlab_kernels_{key}.built"
 
-    def libraries() -> set[str]:  # the kernels' libraries in the cache now, with their times
-        return {f"{p} {p.stat().st_mtime_ns}" for p in root.glob("**/attnlab_*/attnlab_*.so")}
+    def libraries() -> set[str]:  # this environment's kernel libraries in the cache now, with their times
+        return {f"{p} {p.stat().st_mtime_ns}" for p in root.glob(f"attnlab_*-{accel.environment_tag()}/attnlab_*.so")}
 
     if stamp.is_file() and set(stamp.read_text().splitlines()) <= libraries():  # (libraries added since: no matter)
         return False
