@@ -36,17 +36,17 @@ def test_python_dash_m():
 
 def test_commands_start_without_importing_torch_dynamo():
     """torch._dynamo takes ~1.5 s to import, most of a command's start: `import attnlab` and an eager forward
-    must not pull it in. attention.py marks its CPU check constant for torch.compile by hand instead; the mark
-    must be the very one torch.compiler.assume_constant_result sets, or compiled attention would break its graph."""
+    must not pull it in. attention.py marks its CPU check (a /proc/cpuinfo read) constant for torch.compile by hand
+    instead; the mark must work as torch.compiler.assume_constant_result's: a whole graph around the check
+    (fullgraph=True fails on the file read it would otherwise trace)."""
     code = ("import sys, torch, attnlab.cli\n"
             "from attnlab import TransformerConfig, build_model\n"
             "from attnlab.model import attention\n"
             "m = build_model(TransformerConfig(family='decoder-only', vocab_size=11, d_model=16, n_heads=2, n_decoder_layers=1, d_ff=32)).eval()\n"
             "m(torch.randint(0, 11, (1, 5)))\n"
             "before = 'torch._dynamo' in sys.modules\n"
-            "def f(): return 0\n"
-            "torch.compiler.assume_constant_result(f)\n"
-            "print(before, vars(attention._cpu_bf16_native) == vars(f) != {})\n")
+            "f = torch.compile(lambda x: x + attention._cpu_bf16_native(), backend='eager', fullgraph=True)\n"
+            "print(before, f(torch.zeros(1)).item() == float(attention._cpu_bf16_native()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"]
@@ -116,12 +116,14 @@ def test_doctor_says_whose_quantised_kernels_run(capsys, monkeypatch):
 
 def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     """doctor.build_kernels: every probe it names is a function of attnlab's; it runs each in a process of its own,
-    ``jobs`` at a time (here stand-in probes that record when they ran), then stamps torch's extension folder with the
+    ``jobs`` at a time (here stand-in probes that record when they ran), then stamps torch's extension folder with this
     environment's kernel libraries there, so that the next doctor runs none, unless one of those libraries was built
-    again since (its source changed, say; another environment's builds, in folders of their own, do not count); a probe that fails leaves no stamp; ATTNLAB_OWN_KERNELS=0 builds nothing."""
+    again since (its source changed, say; another environment's builds, in folders of their own, do not count); a
+    probe that fails leaves no stamp; ATTNLAB_OWN_KERNELS=0 builds nothing."""
     import importlib
     import json
     import os
+    from pathlib import Path
     from attnlab import accel, doctor
     monkeypatch.delenv("ATTNLAB_OWN_KERNELS", raising=False)  # (the suite also runs with every fast path off)
     for probe in doctor.KERNEL_PROBES:
@@ -139,9 +141,11 @@ def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.syspath_prepend(str(tmp_path))  # (the stamp's key reads the probes' own module too)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    library = tmp_path / "ext" / f"attnlab_x-{accel.environment_tag()}" / "attnlab_x.so"  # (a kernel built before)
-    library.parent.mkdir(parents=True)
+    library = Path(accel.kernel_build_directory("attnlab_x")) / "attnlab_x.so"  # (a kernel built before)
     library.write_bytes(b"")
+    other = tmp_path / "ext" / "attnlab_x-0123456789ab" / "attnlab_x.so"  # another environment's build
+    other.parent.mkdir()
+    other.write_bytes(b"")
     stamps = lambda: list((tmp_path / "ext").glob("attnlab_kernels_*.built"))  # noqa: E731
     monkeypatch.setattr(doctor, "KERNEL_PROBES", ("probes:a", "probes:b", "probes:c"))
     assert doctor.build_kernels(jobs=2) is True and len(stamps()) == 1
@@ -154,9 +158,7 @@ def test_doctor_builds_the_kernels_side_by_side_once(tmp_path, monkeypatch):
     monkeypatch.setattr(doctor, "KERNEL_PROBES", ("probes:a",))
     assert doctor.build_kernels() is True and (tmp_path / "a.json").exists()
     assert doctor.build_kernels() is False  # (stamped again)
-    other = tmp_path / "ext" / "attnlab_x-0123456789ab" / "attnlab_x.so"  # another environment's build, since
-    other.parent.mkdir()
-    other.write_bytes(b"")
+    os.utime(other, ns=(other.stat().st_atime_ns, other.stat().st_mtime_ns + 10 ** 9))  # built again elsewhere
     (tmp_path / "a.json").unlink()
     assert doctor.build_kernels() is False and not (tmp_path / "a.json").exists()  # leaves this one's stamp standing
     stamps()[0].unlink()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -157,9 +156,8 @@ BF16_PRODUCTS_MIN_HEAD_DIM = 64
 def _assume_constant_result(fn):
     """``torch.compiler.assume_constant_result`` without importing torch._dynamo at import time: that import
     alone takes ~1.5 s, most of every ``attnlab`` command's start. The decorator only sets this attribute
-    (torch/_dynamo/decorators.py); tests/test_pitfalls.py checks that it still does."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
+    (torch/_dynamo/decorators.py); tests/test_cli.py checks that the mark still makes torch.compile take the
+    function's result as a constant."""
     fn._dynamo_marked_constant = True
     return fn
 
