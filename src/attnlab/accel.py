@@ -747,7 +747,8 @@ def build_torch_ops(name: str, source: str, cflags: list[str], op: str) -> str |
     path = os.path.join(os.path.dirname(__file__), "csrc", source)
     # -fopenmp: at::parallel_for is PyTorch's OpenMP loop, serial in code built without it
     with package_ninja_first():
-        cpp_extension.load(name=name, sources=[path], is_python_module=False, build_directory=kernel_build_directory(name),
+        cpp_extension.load(name=name, sources=[path], is_python_module=False,
+                           build_directory=kernel_build_directory(name),
                            extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
     return None
 
