@@ -268,6 +268,35 @@ def test_onednn_training_linear_second_order(impl):
     torch.testing.assert_close(sides[0], sides[1], atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_onednn_training_linear_odd_biases_and_empty_shapes(impl):
+    """A bias that is a strided view or an expanded scalar (oneDNN reads a bias as contiguous: it must be copied
+    first, or the output is silently wrong), and no rows, no inputs or no outputs: the output and the gradients
+    F.linear gives."""
+    fn = IMPLEMENTATIONS[impl]()
+    torch.manual_seed(0)
+    base, scalar = torch.randn(10, requires_grad=True), torch.randn(1, requires_grad=True)
+    for b in (base[::2], scalar.expand(5)):
+        x, w = torch.randn(4, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+        sides = []
+        for f in (fn, F.linear):
+            y = f(x, w, b)
+            sides.append((y, *torch.autograd.grad((y * torch.arange(20.0).view(4, 5)).sum(), [x, w, base, scalar],
+                                                  allow_unused=True, materialize_grads=True)))
+        for got, want in zip(*sides):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for x_shape, w_shape in (((0, 8), (5, 8)), ((2, 0, 8), (5, 8)), ((3, 0), (5, 0)), ((3, 8), (0, 8))):
+        x, w = torch.randn(x_shape, requires_grad=True), torch.randn(w_shape, requires_grad=True)
+        b = torch.randn(w_shape[0], requires_grad=True)
+        sides = []
+        for f in (fn, F.linear):
+            y = f(x, w, b)
+            sides.append((y, *torch.autograd.grad(y.sum(), [x, w, b], allow_unused=True, materialize_grads=True)))
+        for got, want in zip(*sides):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("shape", [(37, 45), (64, 8), (8, 64), (1, 9), (9, 1), (0, 5), (768, 128)])
 def test_transpose_kernel_equals_torch_copy(shape):
     """attnlab::transposed (csrc/linear.cpp) is x.t().contiguous() exactly: odd sizes (the 8 × 8 blocks' and the

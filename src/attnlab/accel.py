@@ -415,8 +415,11 @@ _ONEDNN_ISA_CAP = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_
 
 
 def onednn_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.t() (+ b) on oneDNN's GEMM: ``w`` (out, in) plain or a transposed view, or a oneDNN pack."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    """x @ w.t() (+ b) on oneDNN's GEMM: ``w`` (out, in) plain or a transposed view, or a oneDNN pack. (oneDNN
+    reads the bias as contiguous whatever its strides: a strided or expanded one is copied first.)"""
+    if not x.shape[-1]:  # (no inputs: oneDNN refuses K = 0; the output is the bias)
+        return F.linear(x, w, b)
+    return torch.ops.mkldnn._linear_pointwise(x, w, None if b is None else b.contiguous(), "none", [], "")
 
 
 def onednn_training_gemm_ok() -> bool:
@@ -479,20 +482,19 @@ class OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x, w, b):
         need_x, need_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if need_w else None, w if need_x else None)
-        ctx.has_bias, ctx.shapes = b is not None, (x.shape, w.shape)
+        ctx.has_bias = b is not None
         return onednn_product(x, w, b)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
-        out_features, in_features = ctx.shapes[1]
-        rows = dy.reshape(-1, out_features)  # (N, out)
+        rows = dy.flatten(0, -2)  # (N, out) (flatten, not reshape(-1, out): out may be 0)
         dx = dw = db = None
-        if need_x:
-            dx = dy.matmul(w) if torch.is_grad_enabled() else onednn_product(dy, w.t())  # (..., in)
+        if need_x:  # (..., in)
+            dx = dy.matmul(w) if torch.is_grad_enabled() or not dy.numel() or not w.numel() else onednn_product(dy, w.t())
         if need_w:
-            dw = rows.t().mm(x.reshape(-1, in_features))  # (out, in)
+            dw = rows.t().mm(x.flatten(0, -2))  # (out, in)
         if need_b and ctx.has_bias:
             db = rows.sum(0)
         return dx, dw, db

@@ -94,12 +94,14 @@ at::Tensor transposed(const at::Tensor& x) {
 
 // x @ w.t() (+ b) on oneDNN's GEMM: w (out, in) plain or a transposed view (oneDNN reads it as it is)
 at::Tensor onednn_product(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  if (x.size(-1) == 0) return at::linear(x, w, b);  // (no inputs: oneDNN refuses K = 0; the output is the bias)
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> stack;
   stack.reserve(6);
   stack.emplace_back(x);
   stack.emplace_back(w);
-  stack.emplace_back(b.has_value() ? c10::IValue(*b) : c10::IValue());
+  // (oneDNN reads the bias as contiguous whatever its strides: a strided or expanded one is copied first)
+  stack.emplace_back(b.has_value() && b->defined() ? c10::IValue(b->contiguous()) : c10::IValue());
   stack.emplace_back(std::string("none"));
   stack.emplace_back(c10::List<std::optional<at::Scalar>>());
   stack.emplace_back(std::string(""));
@@ -117,6 +119,7 @@ at::Tensor turned(const at::Tensor& x) {
 // dyᵀ·x (out, in) from dy (N, out) and x (N, in): the narrower of the two turned token-major, the other read as a
 // transposed view; where that is x, the product is dWᵀ, turned back (a weight's size, small)
 at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& x) {
+  if (dy.numel() == 0 || x.numel() == 0) return dy.t().mm(x);  // (no rows, inputs or outputs: oneDNN refuses K = 0)
   const at::Tensor dyc = dy.contiguous(), xc = x.contiguous();
   if (dyc.size(1) <= xc.size(1)) return onednn_product(turned(dyc), xc.t(), std::nullopt);  // (out, N)·(N, in)
   return turned(onednn_product(turned(xc), dyc.t(), std::nullopt));  // ((in, N)·(N, out))ᵀ
@@ -141,10 +144,11 @@ struct OneDNNLinearFunction : public torch::autograd::Function<OneDNNLinearFunct
     const at::Tensor &x = saved[0], &w = saved[1], &dy = grads[0];
     const bool differentiable = at::GradMode::is_enabled();
     at::Tensor dx, dw, db;
-    const at::Tensor rows = dy.reshape({-1, dy.size(-1)});  // (N, out)
-    if (ctx->needs_input_grad(0)) dx = differentiable ? dy.matmul(w) : onednn_product(dy, w.t(), std::nullopt);
+    const at::Tensor rows = dy.flatten(0, -2);  // (N, out) (flatten, not reshape(-1, out): out may be 0)
+    if (ctx->needs_input_grad(0))
+      dx = differentiable || dy.numel() == 0 || w.numel() == 0 ? dy.matmul(w) : onednn_product(dy, w.t(), std::nullopt);
     if (ctx->needs_input_grad(1)) {
-      const at::Tensor x_rows = x.reshape({-1, x.size(-1)});  // (N, in)
+      const at::Tensor x_rows = x.flatten(0, -2);  // (N, in)
       dw = (differentiable || !ctx->saved_data["onednn_weight_grad"].toBool()) ? rows.t().mm(x_rows)
                                                                                 : weight_grad(rows, x_rows);
     }
