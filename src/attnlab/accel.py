@@ -492,7 +492,7 @@ class OneDNNLinear(torch.autograd.Function):
         rows = dy.flatten(0, -2)  # (N, out) (flatten, not reshape(-1, out): out may be 0)
         dx = dw = db = None
         if need_x:  # (..., in)
-            dx = dy.matmul(w) if torch.is_grad_enabled() or not dy.numel() or not w.numel() else onednn_product(dy, w.t())
+            dx = dy.matmul(w) if torch.is_grad_enabled() else onednn_product(dy, w.t())
         if need_w:
             dw = rows.t().mm(x.flatten(0, -2))  # (out, in)
         if need_b and ctx.has_bias:
@@ -761,11 +761,15 @@ def kernel_build_directory(name: str) -> str:
     folder after the library alone, and the same source built with another environment's include paths is
     another ninja command, so two virtual environments (a clean clone's and a checkout's, say) rebuilt each
     other's kernels, 10-25 s of a core each, whenever they took turns."""
-    from torch.utils import cpp_extension
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    folder = os.path.join(root, f"{name}-{environment_tag()}")
+    folder = os.path.join(kernel_cache_root(), f"{name}-{environment_tag()}")
     os.makedirs(folder, exist_ok=True)
     return folder
+
+
+def kernel_cache_root() -> str:
+    """torch's extension cache: ``TORCH_EXTENSIONS_DIR``, else its default folder."""
+    from torch.utils import cpp_extension
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
 
 
 def environment_tag() -> str:

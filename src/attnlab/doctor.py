@@ -43,7 +43,6 @@ def build_kernels(jobs: int | None = None) -> bool:
     (and `make test`, which starts with it) waits about half as long on 2 cores. Where a child fails, nothing is
     lost: the report builds that kernel again itself and says what it found, and no stamp is written."""
     from concurrent.futures import ThreadPoolExecutor
-    from torch.utils import cpp_extension
     if not (accel.own_kernels_allowed() and accel.can_build_kernels()):
         return False
     here = Path(__file__).resolve().parent
@@ -53,7 +52,7 @@ def build_kernels(jobs: int | None = None) -> bool:
     key = hashlib.sha256(repr((sys.executable, torch.__version__, accel.cxx_compiler(), accel.own_kernel_target(True),
                                os.environ.get("ATTNLAB_QUANT_KERNELS"),
                                [(p.name, p.read_bytes()) for p in sources])).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()).resolve()
+    root = Path(accel.kernel_cache_root()).resolve()
     stamp = root / f"attnlab_kernels_{key}.built"
 
     def libraries() -> set[str]:  # this environment's kernel libraries in the cache now, with their times

@@ -119,7 +119,6 @@ at::Tensor turned(const at::Tensor& x) {
 // dyᵀ·x (out, in) from dy (N, out) and x (N, in): the narrower of the two turned token-major, the other read as a
 // transposed view; where that is x, the product is dWᵀ, turned back (a weight's size, small)
 at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& x) {
-  if (dy.numel() == 0 || x.numel() == 0) return dy.t().mm(x);  // (no rows, inputs or outputs: oneDNN refuses K = 0)
   const at::Tensor dyc = dy.contiguous(), xc = x.contiguous();
   if (dyc.size(1) <= xc.size(1)) return onednn_product(turned(dyc), xc.t(), std::nullopt);  // (out, N)·(N, in)
   return turned(onednn_product(turned(xc), dyc.t(), std::nullopt));  // ((in, N)·(N, out))ᵀ
@@ -145,8 +144,7 @@ struct OneDNNLinearFunction : public torch::autograd::Function<OneDNNLinearFunct
     const bool differentiable = at::GradMode::is_enabled();
     at::Tensor dx, dw, db;
     const at::Tensor rows = dy.flatten(0, -2);  // (N, out) (flatten, not reshape(-1, out): out may be 0)
-    if (ctx->needs_input_grad(0))
-      dx = differentiable || dy.numel() == 0 || w.numel() == 0 ? dy.matmul(w) : onednn_product(dy, w.t(), std::nullopt);
+    if (ctx->needs_input_grad(0)) dx = differentiable ? dy.matmul(w) : onednn_product(dy, w.t(), std::nullopt);
     if (ctx->needs_input_grad(1)) {
       const at::Tensor x_rows = x.flatten(0, -2);  // (N, in)
       dw = (differentiable || !ctx->saved_data["onednn_weight_grad"].toBool()) ? rows.t().mm(x_rows)
