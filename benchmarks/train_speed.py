@@ -411,12 +411,13 @@ def run_shape(name, s, args, bf16: bool, peak: float) -> dict:
     peak = max(peaks)
     out, t = {"matmul_peak_GFLOPs": round(peak / 1e9, 1), "matmul_peak_FLOPs": peak,
               "matmul_peaks_GFLOPs_measured": [round(p / 1e9, 1) for p in peaks]}, {}
-    # t: each side's median seconds per step, unrounded (a GPU's step takes milliseconds)
+    # t: each side's median seconds per step, unrounded (a GPU's step takes milliseconds); the MFU to 3 significant
+    # digits, not 3 decimals: a CPU's MFU of 0.022 read to 3 decimals is 2% off, and so would be 1 / MFU
     for key in keys:
         times = sides[key].pop("s")
         t[key] = statistics.median(times)
         out[key] = {"ms_per_step": round(t[key] * 1e3, 1), "tgt_tokens_per_s": round(s["batch"] * s["length"] / t[key]),
-                    "mfu": round(model_flops(s) / t[key] / peak, 3), **sides[key],
+                    "mfu": float(f"{model_flops(s) / t[key] / peak:.3g}"), **sides[key],
                     "ms_per_step_by_round": [round(x * 1e3, 1) for x in times]}
     products = out["attnlab"]["profile"]["products_ms"] / 1e3 if args.profile else 0.0
     for peer, short in (("hf_marian", "hf"), ("torch_nn_transformer", "torch")):
