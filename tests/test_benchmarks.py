@@ -41,7 +41,7 @@ def test_train_speed_runs_one_step(tiny_run):
         from train_speed import SHAPES, model_flops
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    for key in ("attnlab", "hf_marian", "torch_nn_transformer"):  # (the MFU to its 3 decimals)
+    for key in ("attnlab", "hf_marian", "torch_nn_transformer"):  # (the MFU to 3 significant digits)
         mfu = model_flops(SHAPES["tiny"]) / (row[key]["ms_per_step"] / 1e3) / (row["matmul_peak_GFLOPs"] * 1e9)
         assert row[key]["mfu"] == pytest.approx(mfu, abs=6e-4 + 0.03 * mfu), key  # (and ms to 0.1)
     # each side in its own process, with its own tool's heap: attnlab's trainer keeps freed memory (where glibc
@@ -582,11 +582,13 @@ def test_classification_recipe_smoke(tmp_path):
 
 @pytest.mark.skipif(not (DATA / "multi30k" / "train.de.gz").exists(), reason="shared Multi30k data not on this machine")
 def test_translation_recipe_smoke(tmp_path):
-    """translation_quality.py multi30k-deen --smoke: training and the test split's sacreBLEU/chrF, beam 4."""
+    """translation_quality.py multi30k-deen --smoke: training on 200 pairs and the sacreBLEU/chrF of 40 test
+    sentences, beam 4."""
     r = _smoke(["translation_quality.py", "multi30k-deen"], tmp_path)
-    assert r["smoke"] and r["beam"] == 4 and r["n"] == 200 and 0 <= r["bleu"] <= 100 and 0 <= r["chrf"] <= 100
-    src = tmp_path / "multi30k-deen" / "smoke-data" / "multi30k" / "test_2016_flickr.de.gz"
-    assert len(gzip.open(src, "rt", encoding="utf-8").read().splitlines()) == 200
+    assert r["smoke"] and r["beam"] == 4 and r["n"] == 40 and 0 <= r["bleu"] <= 100 and 0 <= r["chrf"] <= 100
+    data = tmp_path / "multi30k-deen" / "smoke-data" / "multi30k"
+    assert len(gzip.open(data / "test_2016_flickr.de.gz", "rt", encoding="utf-8").read().splitlines()) == 40
+    assert len(gzip.open(data / "train.de.gz", "rt", encoding="utf-8").read().splitlines()) == 200
 
 
 @pytest.mark.skipif(not (DATA / "tinyshakespeare" / "input.txt.gz").exists(),

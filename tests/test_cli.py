@@ -195,3 +195,29 @@ def test_resume_continues_in_its_own_directory(tmp_path, capsys):
     assert main(["train", "--resume", str(run), "--out", str(tmp_path / "other")]) == 2
     assert f"--resume {run} continues that run in {run}; drop --out" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+
+
+def test_demo_test_budget_caps_the_dev_sentences_too(tmp_path, monkeypatch):
+    """attnlab demo --test-sentences N also scores at most N dev sentences at training's evaluations (an untrained
+    model decodes each to its length limit: the demo's 200 took ~6 s of a 0.1-minute run); without it, the recipe's."""
+    import attnlab.train
+    from attnlab.demo import DEMO_RECIPE
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class RecordingTrainer:
+        def __init__(self, args, log=None):
+            seen.append(args.eval_sentences)
+            raise Stop
+
+    monkeypatch.setattr(attnlab.train, "Trainer", RecordingTrainer)
+    for extra, expected in ((["--test-sentences", "10"], 10), (["--test-sentences", "5000"], DEMO_RECIPE["eval_sentences"]),
+                            ([], DEMO_RECIPE["eval_sentences"])):
+        try:
+            main(["demo", "--out", str(tmp_path / "demo"), "--device", "cpu", *extra, "--debug"])
+        except Stop:
+            pass
+        assert seen[-1] == expected, extra
+    assert len(seen) == 3

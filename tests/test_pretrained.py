@@ -1,5 +1,6 @@
 """Real pretrained weights against their reference implementations (the oracles):
 all-MiniLM-L6-v2 vs sentence-transformers, SmolLM2-135M (GGUF) vs transformers."""
+import functools
 import shutil
 
 import numpy as np
@@ -48,8 +49,13 @@ def hf_smollm2():
     transformers = pytest.importorskip("transformers")
     from attnlab.pretrained import smollm2_path
     path = smollm2_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as mp:
+        # (load time only: transformers builds gguf's tensor-name map of the whole model once per module, ~400
+        # times, ~5 s; the map is a function of the architecture and the layer count, so one serves them all)
+        gguf = pytest.importorskip("gguf")
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tok
 

@@ -37,7 +37,8 @@ def _log(*parts) -> None:
 
 def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None = None, log=_log,
              test_sentences: int | None = None, device: str = "auto", preset: str = "mt-small") -> int:
-    """``test_sentences`` scores only the first N test sentences (a small budget for tests);
+    """``test_sentences`` scores only the first N test sentences, and at most N dev sentences at each of training's
+    evaluations (a small budget for tests: an untrained model decodes every sentence to its length limit);
     ``preset`` is the encoder-decoder to train with the same recipe (e.g. t5-mini)."""
     import torch
 
@@ -50,7 +51,8 @@ def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None 
     log(f"== attnlab demo: English → Chinese on Tatoeba (CC-BY 2.0 FR, {corpus_dir()})")
     log(f"   training {preset} for {minutes:g} minutes on {where}, "
         f"{'bf16 autocast (native)' if bf16 else 'fp32 (no native bf16 here)'}; model directory: {out_dir}")
-    result = _train(out_dir, minutes, dev, bf16, log, preset)
+    eval_sentences = min(DEMO_RECIPE["eval_sentences"], test_sentences or DEMO_RECIPE["eval_sentences"])
+    result = _train(out_dir, minutes, dev, bf16, log, preset, eval_sentences)
     if result["stop"] == "interrupted":
         log(f"== interrupted: checkpoint in {out_dir}; continue with attnlab train --resume {out_dir}")
         return 130
@@ -59,14 +61,14 @@ def run_demo(minutes: float = 10.0, out: str = "runs/demo", threads: int | None 
     return 0
 
 
-def _train(out_dir: Path, minutes: float, dev, bf16: bool, log, preset: str = "mt-small") -> dict:
+def _train(out_dir: Path, minutes: float, dev, bf16: bool, log, preset: str, eval_sentences: int) -> dict:
     from .train import TrainArgs, Trainer
     corpus = corpus_dir()
     if (out_dir / "metrics.jsonl").exists():
         (out_dir / "metrics.jsonl").unlink()  # a fresh demo run
     args = TrainArgs(out=str(out_dir), train=str(corpus / "train.tsv.gz"), dev=str(corpus / "dev.tsv"),
                      minutes=minutes, eval_every=EVAL_EVERY, save_every=500, bf16=bf16, device=str(dev),
-                     **{**DEMO_RECIPE, "preset": preset})
+                     **{**DEMO_RECIPE, "preset": preset, "eval_sentences": eval_sentences})
     trainer = Trainer(args, log=log)
     trainer.setup()
     task = trainer.task

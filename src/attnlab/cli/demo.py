@@ -19,7 +19,8 @@ def arguments(p) -> None:
                    help="the encoder-decoder to train with the demo's recipe (default mt-small)")
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--test-sentences", type=positive_int, default=None, metavar="N",
-                   help="score only the first N test sentences (a small budget, e.g. for tests)")
+                   help="score only the first N test sentences, and at most N dev sentences at training's "
+                        "evaluations (a small budget, e.g. for tests)")
     add_device(p)
 
 
