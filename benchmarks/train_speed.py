@@ -1257,7 +1257,8 @@ OWN_STEPS = ("dropout", "gelu", "clip", "attention_kernel", "packed_attention", 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--shapes", default="small,large", help="comma-separated: small, large (none: only --nanogpt)")
+    ap.add_argument("--shapes", default="small,large", help="comma-separated: small, large, tiny (the tests' shape), or none (only "
+                                                               "--nanogpt)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu",
                     help="where the step tables run: cpu (default), cuda, mps (the other tables run on CPU only)")
@@ -1333,6 +1334,10 @@ def main():
     ap.add_argument("--as-avx2", action="store_true",
                     help="cap PyTorch, oneDNN and MKL at AVX2, no native bf16 (every side's process, nanoGPT's too)")
     args = ap.parse_args()
+    unknown = [name for name in args.shapes.split(",") if name not in SHAPES] if args.shapes != "none" else []
+    if unknown:
+        ap.error(f"--shapes {args.shapes}: no shape {unknown[0]!r} (one or more of {', '.join(SHAPES)}, "
+                 f"comma-separated, or none)")
     if args.interleaved and not args.nanogpt:
         raise SystemExit("--interleaved: a comparison with nanoGPT (give --nanogpt PATH)")
     if args.as_avx2:

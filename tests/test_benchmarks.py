@@ -118,9 +118,9 @@ def test_train_speed_profile_splits_each_step(tiny_run):
     assert row["attnlab_vs_hf_if_only_products"] > row["attnlab_vs_hf"]  # (the products are part of the step)
 
 
-def test_train_speed_refuses_a_device_it_cannot_time_on():
+def test_train_speed_refuses_a_device_it_cannot_time_on(capsys):
     """--device: a GPU this PyTorch does not see, or a device nothing trains on, is a one-line error, before any
-    side starts; the CPU tables are refused on a GPU."""
+    side starts; the CPU tables are refused on a GPU; so is a shape it does not have."""
     import torch
     cases = [(["--device", "meta"], "--device meta: cpu, cuda or mps")]
     if not torch.cuda.is_available():
@@ -137,6 +137,12 @@ def test_train_speed_refuses_a_device_it_cannot_time_on():
                 pytest.raises(SystemExit) as e:
             train_speed.main()
         assert isinstance(e.value.code, str) and message in e.value.code, (argv, e.value.code)
+    # a shape it does not have (an empty one too: "none" is the word for no shape) is a usage error naming it
+    for shapes, name in (("small,big", "'big'"), ("", "''")):
+        with mock.patch.object(sys, "argv", ["train_speed.py", "--shapes", shapes]), pytest.raises(SystemExit) as e:
+            train_speed.main()
+        assert e.value.code == 2
+        assert f"--shapes {shapes}: no shape {name} (one or more of small, large, tiny" in capsys.readouterr().err
 
 
 def test_train_speed_corpus_epoch_runs():
