@@ -127,10 +127,10 @@ def hf_folder(gguf: Path, workdir: Path) -> Path:
     out = workdir / "smollm2-hf"
     if (out / "config.json").exists():
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from peers import transformers_from_gguf  # (benchmarks/peers.py)
+    from transformers import AutoTokenizer
     print(f"writing {out} from {gguf.name} (once)", file=sys.stderr, flush=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = transformers_from_gguf(gguf)
     # The weights are plain fp32 tensors by now, but the GGUF quantizer stays attached and refuses to save:
     # drop it, and name the architecture that the GGUF-derived config lacks.
     model.hf_quantizer = None

@@ -29,6 +29,7 @@ import time
 from unittest import mock
 
 import torch
+from peers import transformers_from_gguf  # (benchmarks/peers.py)
 
 PROMPT = "The Transformer architecture"
 
@@ -73,8 +74,7 @@ def main():
     n = args.tokens
     ours = load_pretrained("smollm2")
     ids = torch.tensor([ours.tokenizer.encode(PROMPT)])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers_from_gguf(path)
     bw = copy_bandwidth()
     params = ours.model.num_parameters()
     results = {"cpu": f"{accel.cpu_name()} ({accel.cpu_isa()})", "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -1,13 +1,16 @@
 """Real pretrained weights against their reference implementations (the oracles):
 all-MiniLM-L6-v2 vs sentence-transformers, SmolLM2-135M (GGUF) vs transformers."""
-import functools
 import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from attnlab.pretrained import load_pretrained
+
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 SENTENCES = ["A man is eating food.", "The quick brown fox jumps over the lazy dog near the riverbank today.",
              "Hi", "Attention is all you need, they said; then came RMSNorm, RoPE and grouped-query attention."]
@@ -48,14 +51,14 @@ def smollm2():
 def hf_smollm2():
     transformers = pytest.importorskip("transformers")
     from attnlab.pretrained import smollm2_path
+    pytest.importorskip("gguf")
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from peers import transformers_from_gguf  # transformers' own loading, its load time cut (benchmarks/peers.py)
+    finally:
+        sys.path.remove(BENCHMARKS)
     path = smollm2_path()
-    with pytest.MonkeyPatch.context() as mp:
-        # (load time only: transformers builds gguf's tensor-name map of the whole model once per module, ~400
-        # times, ~5 s; the map is a function of the architecture and the layer count, so one serves them all)
-        gguf = pytest.importorskip("gguf")
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()
+    model = transformers_from_gguf(path)
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tok
 
