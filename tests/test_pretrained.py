@@ -51,7 +51,6 @@ def smollm2():
 def hf_smollm2():
     transformers = pytest.importorskip("transformers")
     from attnlab.pretrained import smollm2_path
-    pytest.importorskip("gguf")
     sys.path.insert(0, BENCHMARKS)
     try:
         from peers import transformers_from_gguf  # transformers' own loading, its load time cut (benchmarks/peers.py)
