@@ -83,6 +83,9 @@ def test_doctor_reports_paths(capsys):
     r = json.loads(capsys.readouterr().out)
     assert {"torch", "cpu_flags", "bf16_native_cpu", "packed_linear_bf16", "compile_cpu", "threads",
             "own_quant_kernels", "own_quant_kernels_compiled", "own_dropout_kernel", "own_gelu_kernel", "own_attention_kernel", "own_linear_kernel", "own_clip_kernel", "training_heap_refused"} <= set(r)
+    from attnlab import doctor  # one table names the kernels the report asks about and the ones the doctor builds
+    assert {k for k in r if k.startswith("own_")} == {*doctor.OWN_KERNELS, "own_quant_kernels_compiled"}
+    assert doctor.KERNEL_PROBES == tuple(doctor.OWN_KERNELS.values())
 
 
 def test_doctor_says_whether_training_keeps_freed_memory(capsys, monkeypatch):

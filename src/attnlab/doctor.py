@@ -17,18 +17,27 @@ import torch
 
 from . import accel, quant
 from .accel import (bf16_native, can_compile, cpu_bf16_native, cpu_flags, cpu_isa, cpu_name, cxx_compiler,
-                    glibc_version, heap_setting_refused, linear_kernel_serves, onednn_linear_ops, onednn_training_gemm_ok,
+                    glibc_version, heap_setting_refused, onednn_linear_ops, onednn_training_gemm_ok,
                     packed_linear_ok)
-from .model.attention import fused_short_attention
-from .model.layers import fused_dropout, fused_gelu
-from .train.clipping import fused_clip
 
 
-# attnlab's own C++ kernels (``csrc/``), each built on first use by the function named here (which answers
-# whether it serves; ``report`` asks every one of them), the longest builds first
-KERNEL_PROBES = ("attnlab.accel:linear_kernel_serves", "attnlab.model.attention:fused_short_attention",
-                 "attnlab.model.layers:fused_gelu", "attnlab.model.layers:fused_dropout", "attnlab.quant:own_kernels",
-                 "attnlab.train.clipping:fused_clip")
+# attnlab's own C++ kernels (``csrc/``): the report's key for each, and the function that builds it on first use
+# and answers whether it serves, the longest builds first. One table for both users: ``build_kernels`` runs each
+# function in a child process of its own, ``report`` calls each here (looked up at the call, as a test may stand
+# one in).
+OWN_KERNELS = {"own_linear_kernel": "attnlab.accel:linear_kernel_serves",
+               "own_attention_kernel": "attnlab.model.attention:fused_short_attention",
+               "own_gelu_kernel": "attnlab.model.layers:fused_gelu",
+               "own_dropout_kernel": "attnlab.model.layers:fused_dropout",
+               "own_quant_kernels": "attnlab.quant:own_kernels",
+               "own_clip_kernel": "attnlab.train.clipping:fused_clip"}
+KERNEL_PROBES = tuple(OWN_KERNELS.values())
+
+
+def _probe(path: str):
+    """The function ``module:name`` names."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_kernels(jobs: int | None = None) -> bool:
@@ -112,13 +121,8 @@ def report() -> dict:
         "training_gemm_fp32": "oneDNN" if onednn_training_gemm_ok() else "MKL",
         "cxx_compiler": cxx_compiler(),
         "compile_cpu": can_compile("cpu"),
-        "own_quant_kernels": quant.own_kernels(),  # (builds them on first use: seconds, then cached on disk)
+        **{key: _probe(path)() for key, path in OWN_KERNELS.items()},  # (each built on first use: seconds, then cached)
         "own_quant_kernels_compiled": quant.own_kernels_in_compiled_step(),
-        "own_dropout_kernel": fused_dropout(),  # (the same: built on first use)
-        "own_gelu_kernel": fused_gelu(),
-        "own_attention_kernel": fused_short_attention(),
-        "own_linear_kernel": linear_kernel_serves(),
-        "own_clip_kernel": fused_clip(),
         "training_heap_refused": heap_setting_refused(),  # None: training keeps freed memory (accel.keep_freed_memory)
         "glibc": glibc_version(),
         "switches": {k: os.environ[k] for k in ("ATTNLAB_PACKED_LINEAR", "ATTNLAB_NO_BF16", "ATTNLAB_COMPILE",
