@@ -481,7 +481,7 @@ def attnlab_shape_step(s: dict, bf16: bool):
 
 def attnlab_shape_steps(args, bf16: bool):
     """(name, step, model, optimizer) for each of ``--shapes``: :func:`attnlab_shape_step`."""
-    for name in [] if args.shapes == "none" else args.shapes.split(","):
+    for name in args.shapes:
         yield name, *attnlab_shape_step(SHAPES[name], bf16)
 
 
@@ -1334,9 +1334,10 @@ def main():
     ap.add_argument("--as-avx2", action="store_true",
                     help="cap PyTorch, oneDNN and MKL at AVX2, no native bf16 (every side's process, nanoGPT's too)")
     args = ap.parse_args()
-    unknown = [name for name in args.shapes.split(",") if name not in SHAPES] if args.shapes != "none" else []
+    args.shapes = [] if args.shapes == "none" else args.shapes.split(",")  # (parsed once: names of SHAPES)
+    unknown = [name for name in args.shapes if name not in SHAPES]
     if unknown:
-        ap.error(f"--shapes {args.shapes}: no shape {unknown[0]!r} (one or more of {', '.join(SHAPES)}, "
+        ap.error(f"--shapes {','.join(args.shapes)}: no shape {unknown[0]!r} (one or more of {', '.join(SHAPES)}, "
                  f"comma-separated, or none)")
     if args.interleaved and not args.nanogpt:
         raise SystemExit("--interleaved: a comparison with nanoGPT (give --nanogpt PATH)")
@@ -1369,7 +1370,7 @@ def main():
     dtypes = {"both": [False] + ([True] if accel.bf16_native(device) else []), "fp32": [False], "bf16": [True]}[args.dtype]
     if True in dtypes and not accel.bf16_native(device):
         raise SystemExit(f"--dtype bf16: {args.device} has no native bf16 here (emulated bf16 is not a row)")
-    shapes = [] if args.shapes == "none" or any(getattr(args, name) for name in OWN_STEPS) else args.shapes.split(",")
+    shapes = [] if any(getattr(args, name) for name in OWN_STEPS) else args.shapes
     for bf16 in dtypes if shapes else []:
         peak = matmul_peak(torch.bfloat16 if bf16 else torch.float32, args.peak_size, args.device)
         for name in shapes:
