@@ -37,7 +37,6 @@ directory given as ``--model DIR``.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import time
@@ -46,8 +45,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt.gz"
+import tinyshakespeare  # (benchmarks/tinyshakespeare.py)
+
 PROMPTS = ["To be, or not to be", "Once upon a time", "The capital of France is", "def fibonacci(n):",
            "In machine learning, attention"]
 SPEED_PROMPT = "The Transformer architecture"
@@ -59,20 +58,8 @@ CONFIGS = {"fp32": (False, None, None), "bf16": (True, None, None), "int8": (Fal
 DEFAULT_CONFIGS = list(CONFIGS)[:6]
 
 
-def tiny_shakespeare(path: Path) -> str | None:
-    """Tiny Shakespeare's whole text from ``path``: its input.txt or input.txt.gz, or the folder holding one
-    (input.txt first); None where there is neither. (train_speed.py reads it here too.)"""
-    if path.is_dir():
-        path = next((path / name for name in ("input.txt", "input.txt.gz") if (path / name).is_file()), path / "input.txt")
-    if not path.is_file():
-        return None
-    return gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz" else path.read_text(encoding="utf-8")
-
-
 def validation_text(path: Path) -> str:
-    raw = tiny_shakespeare(path)
-    if raw is None:
-        raise SystemExit(f"{path}: not found; give Tiny Shakespeare's input.txt (or .gz), or its folder, with --data")
+    raw = tinyshakespeare.required(path)
     return raw[int(0.9 * len(raw)):]  # nanoGPT's split: the last 10%
 
 
@@ -142,7 +129,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated, from {', '.join(CONFIGS)} (default: all but the last)")
-    ap.add_argument("--data", default=str(DATA), help="Tiny Shakespeare input.txt or input.txt.gz, or the folder holding it")
+    ap.add_argument("--data", default=str(tinyshakespeare.DEFAULT), help=tinyshakespeare.HELP)
     ap.add_argument("--compile", action="store_true",
                     help="also the compiled decode step of the quantised rows: its greedy agreement and speed")
     ap.add_argument("--quick", action="store_true", help="1,000 tokens, 16 new tokens, one repeat (a smoke test)")

@@ -18,7 +18,6 @@ characters, until the next full run writes them again).
 """
 
 import argparse
-import gzip
 import json
 import re
 import shutil
@@ -27,13 +26,14 @@ import sys
 import time
 from pathlib import Path
 
+import tinyshakespeare  # (benchmarks/tinyshakespeare.py)
 from smoke import SMOKE_STEPS, smoke_flags  # (benchmarks/smoke.py)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--nanogpt", help="a local checkout of karpathy/nanoGPT (not needed with --skip-nanogpt)")
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"))
+    ap.add_argument("--data", default=str(tinyshakespeare.DEFAULT), help=tinyshakespeare.HELP)
     ap.add_argument("--out", default="runs/shakespeare-char")
     ap.add_argument("--skip-nanogpt", action="store_true")
     ap.add_argument("--time-matched-steps", type=int, default=2500,
@@ -44,7 +44,7 @@ def main():
     args = ap.parse_args()
     if not args.skip_nanogpt and not args.nanogpt:
         ap.error("--nanogpt DIR is required (or --skip-nanogpt)")
-    text = gzip.open(Path(args.data) / "input.txt.gz", "rt", encoding="utf-8").read()
+    text = tinyshakespeare.required(args.data)
     iters = SMOKE_STEPS if args.smoke else 2000
     if args.smoke:
         text, args.time_matched_steps = text[:20_000], iters + 1

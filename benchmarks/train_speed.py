@@ -87,7 +87,7 @@ from attnlab.interop.hf import from_hf
 from attnlab.model import attention
 from attnlab.train.tasks.base import output_loss
 from attnlab.train.trainer import make_adamw
-from quant_quality import tiny_shakespeare  # Tiny Shakespeare's text (benchmarks/ is on sys.path)
+import tinyshakespeare  # (benchmarks/tinyshakespeare.py; benchmarks/ is on sys.path)
 
 SHAPES = {"small": dict(d=256, heads=4, layers=3, ff=1024, batch=64, length=24),
           "large": dict(d=512, heads=8, layers=6, ff=2048, batch=32, length=32),
@@ -490,9 +490,6 @@ def fused_attention_only():
     return mock.patch.multiple(attention, SHORT_KEYS=0, SHORT_KEYS_KERNEL=0)
 
 
-ENC_DEC_KEYS_TOKENS = 2048  # source (and target) tokens a batch of the encoder-decoder rows of --attention-keys
-
-
 def attention_keys_table(args) -> dict:
     """The trainer's update of nanoGPT's model (Tiny Shakespeare from ``--data``) with blocks of each of
     ``--attention-keys`` tokens, ShortAttention (attnlab's kernel in fp32) against PyTorch's fused kernel, in turns,
@@ -501,7 +498,7 @@ def attention_keys_table(args) -> dict:
     nanoGPT's attention is all causal self-attention; an encoder-decoder also has the encoder's self-attention and the
     cross-attention, neither causal. So each length also times the small step table's model (d 256, 4 heads of 64,
     3 + 3 layers; attnlab's copy of HF Marian, as the step table builds it) on random pairs of that many source and
-    target tokens, ``ENC_DEC_KEYS_TOKENS // length`` pairs a batch (fp32: the kernel's limit is an fp32 one), where
+    target tokens, ``--keys-tokens // length`` pairs a batch (fp32: the kernel's limit is an fp32 one), where
     transformers is installed."""
     work = shakespeare_text(args)
     if work is None:
@@ -524,7 +521,7 @@ def attention_keys_table(args) -> dict:
             out[f"nanogpt update, {block} keys, {'bf16' if bf16 else 'fp32'}"] = row(
                 lambda: trainer._update(1e-3), max(2, args.steps * 640 // block))
         if enc_dec:
-            pairs = max(1, ENC_DEC_KEYS_TOKENS // block)
+            pairs = max(1, args.keys_tokens // block)
             step, *_ = attnlab_shape_step({**SHAPES["small"], "batch": pairs, "length": block}, False)
             out[f"marian small update, {pairs} x {block} keys, fp32"] = row(step, max(1, args.steps))
     return out
@@ -1031,7 +1028,7 @@ print(json.dumps({"ms": [round(t * 1e3, 3) for t in times], "bf16": trainer.bf16
 def shakespeare_text(args) -> Path | None:
     """``--workdir``, with Tiny Shakespeare from ``--data`` (input.txt or input.txt.gz, or their folder) written to
     its input.txt; None where ``--data`` has neither."""
-    text, work = tiny_shakespeare(Path(args.data)), Path(args.workdir)
+    text, work = tinyshakespeare.tiny_shakespeare(args.data), Path(args.workdir)
     if text is None:
         return None
     work.mkdir(parents=True, exist_ok=True)
@@ -1280,6 +1277,8 @@ def main():
                     help="comma-separated block sizes (e.g. 128,256,512): the trainer's update of nanoGPT's model "
                          "with each, and the small encoder-decoder's (with transformers installed) on pairs of that many "
                          "tokens, ShortAttention against PyTorch's fused kernel, in turns (--data: Tiny Shakespeare)")
+    ap.add_argument("--keys-tokens", type=int, default=2048,
+                    help="--attention-keys: source (and target) tokens a batch of the encoder-decoder's rows")
     ap.add_argument("--dropout", action="store_true",
                     help="time attnlab's dropout kernel against its torch path (activations, and steps of --shapes)")
     ap.add_argument("--gelu", action="store_true",
@@ -1323,8 +1322,8 @@ def main():
                     help="the C heap of each side's process (also --corpus and --nanogpt): as each tool runs (attnlab's "
                          "trainer keeps freed memory, accel.keep_freed_memory; HF's Trainer, the tutorial and nanoGPT: "
                          "glibc's defaults), kept on every side, or glibc's defaults on every side")
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare"),
-                    help="--nanogpt: Tiny Shakespeare's input.txt(.gz), or the folder holding it")
+    ap.add_argument("--data", default=str(tinyshakespeare.DEFAULT),
+                    help="--nanogpt and the tables of nanoGPT's update: " + tinyshakespeare.HELP)
     ap.add_argument("--workdir", default="runs/train_speed")
     ap.add_argument("--corpus", default=None, nargs="?", const="shipped",
                     help="also time an epoch of real pairs (a SOURCE<TAB>TARGET file; bare: the shipped Tatoeba "

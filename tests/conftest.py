@@ -1,4 +1,7 @@
+import importlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,3 +27,18 @@ def shakespeare_stand_in():
         path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * repeats, encoding="utf-8")
         return path
     return write
+
+
+@pytest.fixture(scope="session")
+def benchmark_module():
+    """``load(name)``: the module ``name`` of benchmarks/ (train_speed, peers, ...), imported as its scripts import
+    each other, with benchmarks/ on sys.path, for the import only."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+    def load(name: str):
+        sys.path.insert(0, folder)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(folder)
+    return load

@@ -26,7 +26,7 @@ def _smoke(argv, out):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_train_speed_runs_one_step(tiny_run):
+def test_train_speed_runs_one_step(tiny_run, benchmark_module):
     """train_speed.py on the tiny shape: each side's ms, MFU against the matmul peak read in the same run, its heap
     and memory; the ratios."""
     r = tiny_run
@@ -36,13 +36,9 @@ def test_train_speed_runs_one_step(tiny_run):
     # the MFUs' peak: the highest of the one read before the shapes and one read before each round (3 by default)
     assert len(row["matmul_peaks_GFLOPs_measured"]) == 1 + 3
     assert row["matmul_peak_GFLOPs"] == max(row["matmul_peaks_GFLOPs_measured"]) == r["matmul_peak_GFLOPs_fp32"]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from train_speed import SHAPES, model_flops
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    train_speed = benchmark_module("train_speed")
     for key in ("attnlab", "hf_marian", "torch_nn_transformer"):  # (the MFU to 3 significant digits)
-        mfu = model_flops(SHAPES["tiny"]) / (row[key]["ms_per_step"] / 1e3) / (row["matmul_peak_GFLOPs"] * 1e9)
+        mfu = train_speed.model_flops(train_speed.SHAPES["tiny"]) / (row[key]["ms_per_step"] / 1e3) / (row["matmul_peak_GFLOPs"] * 1e9)
         assert row[key]["mfu"] == pytest.approx(mfu, abs=6e-4 + 0.03 * mfu), key  # (and ms to 0.1)
     # each side in its own process, with its own tool's heap: attnlab's trainer keeps freed memory (where glibc
     # allows), the peers run glibc's defaults
@@ -118,7 +114,7 @@ def test_train_speed_profile_splits_each_step(tiny_run):
     assert row["attnlab_vs_hf_if_only_products"] > row["attnlab_vs_hf"]  # (the products are part of the step)
 
 
-def test_train_speed_refuses_a_device_it_cannot_time_on(capsys):
+def test_train_speed_refuses_a_device_it_cannot_time_on(capsys, benchmark_module):
     """--device: a GPU this PyTorch does not see, or a device nothing trains on, is a one-line error, before any
     side starts; the CPU tables are refused on a GPU; so is a shape it does not have."""
     import torch
@@ -127,11 +123,7 @@ def test_train_speed_refuses_a_device_it_cannot_time_on(capsys):
         cases.append((["--device", "cuda"], "--device cuda: this PyTorch sees no CUDA GPU"))
     else:
         cases.append((["--device", "cuda", "--gemm"], "only the step tables (--shapes) run there"))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train_speed
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    train_speed = benchmark_module("train_speed")
     for argv, message in cases:  # (in this process: main() refuses before it changes anything; a string exits 1)
         with mock.patch.object(sys, "argv", ["train_speed.py", *argv, "--shapes", "tiny"]), \
                 pytest.raises(SystemExit) as e:
@@ -205,6 +197,7 @@ def tables(tmp_path_factory, shakespeare_stand_in):
     kernels = ["--dropout", "--gelu", "--clip", "--attention-kernel", "--packed-attention", "--linear-kernel"]
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--attention",
                           "--attention-shapes", "nanogpt", "--gemm", "--ablate", "--attention-keys", "16,80",
+                          "--keys-tokens", "160",
                           *(kernels if _own_kernels_build_here() else []), "--shapes", "tiny", "--steps", "1",
                           "--rounds", "1", "--threads", "1", "--data", str(tmp / "data"), "--workdir", str(tmp / "work")],
                          capture_output=True, text=True, timeout=600)
@@ -219,21 +212,13 @@ def test_train_speed_attention_table_runs(tables):
     assert row["fused_over_short"] == round(row["fused_ms"] / row["short_ms"], 2)
 
 
-def _onednn_training_products() -> bool:
-    """The benchmark's own answer: whether attnlab's fp32 training products take oneDNN's GEMM here."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from train_speed import onednn_training_products
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return onednn_training_products()
 
 
-def test_train_speed_gemm_table_runs(tables):
+def test_train_speed_gemm_table_runs(tables, benchmark_module):
     """train_speed.py --gemm: attnlab's fp32 step on oneDNN's GEMM and on MKL's, in turns, and their ratio
     (or the reason it was skipped, on a CPU whose fp32 training products take MKL)."""
     table = tables["gemm"]
-    if not _onednn_training_products():
+    if not benchmark_module("train_speed").onednn_training_products():
         assert "skipped" in table
         return
     row = table["step tiny fp32"]
@@ -255,7 +240,7 @@ def test_train_speed_dropout_table_runs(tables):
 
 @pytest.mark.parametrize("flag, other", [("--gelu", "f_gelu"), ("--attention-kernel", "torch_ops"),
                                          ("--linear-kernel", "python"), ("--clip", "torch_clip")])
-def test_train_speed_own_kernel_table_runs(tables, flag, other):
+def test_train_speed_own_kernel_table_runs(tables, flag, other, benchmark_module):
     """train_speed.py --gelu / --attention-kernel / --linear-kernel / --clip: attnlab's GELU, attention, linear or
     gradient-clipping kernel against F.gelu, ShortAttention's torch ops, the Python OneDNNLinear or
     torch.nn.utils.clip_grad_norm_ in turns, on a whole (tiny) Marian step (not --clip: that step does not clip) and
@@ -273,7 +258,7 @@ def test_train_speed_own_kernel_table_runs(tables, flag, other):
         for row in packed.values():
             assert row["packed_ms"] > 0 and row["split_ms"] > 0 and row["packed_share"] == 1.0
             assert row["split_over_packed"] == round(row["split_ms"] / row["packed_ms"], 3)
-    if flag == "--linear-kernel" and not _onednn_training_products():
+    if flag == "--linear-kernel" and not benchmark_module("train_speed").onednn_training_products():
         assert "no AVX-512" in table["skipped"]
         return
     assert set(table) == ({"nanogpt update fp32"} if flag == "--clip" else {"step tiny fp32", "nanogpt update fp32"})
@@ -300,16 +285,12 @@ def test_train_speed_ablation_table_runs(tables):
 
 
 @pytest.mark.parametrize("vocab", [50, 300])
-def test_ablation_stand_ins_swap_each_part_and_put_it_back(vocab):
+def test_ablation_stand_ins_swap_each_part_and_put_it_back(vocab, benchmark_module):
     """Each of train_speed._stand_ins's paths changes what it names and nothing else, and leaves the model as it
     was: the loss and gradients of a tiny LM differ under each stand-in (clipping, the optimizer step: the step's
     result), and are bit-equal to the model's own after it. The loss's other path (the fused loss for 50 classes,
     the plain one for 300) gives the same loss and gradients to rounding."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train_speed
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    train_speed = benchmark_module("train_speed")
     from attnlab.config import TransformerConfig
     from attnlab.model import build_model
     from attnlab.train import trainer
@@ -376,7 +357,7 @@ def test_train_speed_attention_keys_table_runs(tables):
     table = dict(tables["attention_keys"])
     expected = {"nanogpt update, 16 keys, fp32", "nanogpt update, 80 keys, fp32"}
     if importlib.util.find_spec("transformers"):  # (the encoder-decoder rows build attnlab's copy of HF Marian)
-        expected |= {"marian small update, 128 x 16 keys, fp32", "marian small update, 25 x 80 keys, fp32"}
+        expected |= {"marian small update, 10 x 16 keys, fp32", "marian small update, 2 x 80 keys, fp32"}
     else:
         assert "transformers" in table.pop("skipped")
     assert expected <= set(table)

@@ -1,8 +1,6 @@
 """Real pretrained weights against their reference implementations (the oracles):
 all-MiniLM-L6-v2 vs sentence-transformers, SmolLM2-135M (GGUF) vs transformers."""
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +8,6 @@ import torch
 
 from attnlab.pretrained import load_pretrained
 
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 SENTENCES = ["A man is eating food.", "The quick brown fox jumps over the lazy dog near the riverbank today.",
              "Hi", "Attention is all you need, they said; then came RMSNorm, RoPE and grouped-query attention."]
@@ -48,16 +45,11 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def hf_smollm2():
+def hf_smollm2(benchmark_module):
     transformers = pytest.importorskip("transformers")
     from attnlab.pretrained import smollm2_path
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        from peers import transformers_from_gguf  # transformers' own loading, its load time cut (benchmarks/peers.py)
-    finally:
-        sys.path.remove(BENCHMARKS)
     path = smollm2_path()
-    model = transformers_from_gguf(path)
+    model = benchmark_module("peers").transformers_from_gguf(path)  # transformers' own loading, its load time cut
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tok
 
