@@ -590,6 +590,27 @@ def test_shakespeare_recipe_smoke(tmp_path):
         assert r[k]["val_tokens"] > 1500 and 0 < r[k]["val_loss_full_split"] < 10
 
 
+def test_tiny_shakespeare_is_read_one_way_by_every_benchmark(tmp_path, benchmark_module):
+    """benchmarks/tinyshakespeare.py: --data as input.txt, input.txt.gz or the folder of either (input.txt first); where
+    it has neither, None for the tables that skip, and a usage error naming --data for the scripts that need it
+    (shakespeare_nanogpt.py read only a folder's input.txt.gz, with a traceback where it was absent)."""
+    read = benchmark_module("tinyshakespeare")
+    gz = tmp_path / "gz" / "input.txt.gz"
+    gz.parent.mkdir()
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        f.write("zipped\n")
+    assert read.tiny_shakespeare(gz) == read.tiny_shakespeare(gz.parent) == "zipped\n"
+    (gz.parent / "input.txt").write_text("plain\n", encoding="utf-8")
+    assert read.tiny_shakespeare(gz.parent) == read.tiny_shakespeare(str(gz.parent / "input.txt")) == "plain\n"
+    assert read.tiny_shakespeare(tmp_path / "none") is None and read.tiny_shakespeare(tmp_path) is None
+    argv = {"shakespeare_nanogpt.py": ["--skip-nanogpt", "--smoke", "--out", str(tmp_path / "out")],
+            "quant_quality.py": ["--quick"]}
+    for script, flags in argv.items():
+        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *flags, "--data", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1 and f"--data {tmp_path / 'none'}: no input.txt or input.txt.gz" in res.stderr, script
+
+
 def test_train_speed_attention_products_table_runs():
     """train_speed.py --attention-products: attnlab's bf16 step with ShortAttention's bf16 products and with fp32
     ones, in turns, and the errors against float64 (bf16 products within 2x the fp32 result's own rounding);
