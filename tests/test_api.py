@@ -130,6 +130,7 @@ def test_stream_keeps_a_cut_multibyte_tail():
     from attnlab.api import LoadedModel
 
     class FakeTok:  # decodes byte ids; 0xE4 0xBD 0xA0 is "你"
+        pad_id = bos_id = eos_id = None
         tk = type("TK", (), {"decode": staticmethod(lambda ids, skip_special_tokens=False:
                                                      bytes(ids).decode("utf-8", errors="replace"))})()
 
@@ -143,3 +144,78 @@ def test_stream_keeps_a_cut_multibyte_tail():
     finally:
         search.stream = orig
     assert "".join(pieces) == "你\ufffd"
+
+
+def test_embed_pools_what_the_classifier_reads_and_lists_are_required(dirs):
+    """An attnlab classifier's embedding is the pooled state of the ids it classifies (``<s>`` first: what
+    ``classify`` feeds), so its head applied to ``embed`` gives ``classify``'s probabilities; an empty text embeds
+    (it is ``<s>``); a bare string where a list is expected is a TypeError, not one text per character."""
+    m = attnlab.load(dirs["classify"], device="cpu")
+    texts = ["Is it?", "It is.", ""]
+    v = torch.tensor(m.embed(texts))
+    probs = m.module.classifier(v).softmax(-1).max(-1).values
+    torch.testing.assert_close(probs, torch.tensor([p for _, p in m.classify(texts)]), atol=1e-5, rtol=0)
+    mt, lm = attnlab.load(dirs["translation"], device="cpu"), attnlab.load(dirs["lm"], device="cpu")
+    for call in (lambda: m.embed("Is it?"), lambda: m.classify("Is it?"), lambda: mt.translate("Hi."),
+                 lambda: lm.generate("Tom")):
+        with pytest.raises(TypeError, match=r"takes a list of texts; for one text: \w+\(\[text\]\)"):
+            call()
+
+
+def test_a_translation_does_not_depend_on_the_other_sentences_of_its_call(dirs):
+    """Each source has its own default budget (its length + 50), greedy, sampled and in beam search: where no
+    hypothesis may end (``min_new_tokens`` past every budget), each row runs to its own budget, and greedy and
+    beam search give a short sentence the same translation alone and beside a long one, as ``attnlab serve``
+    gives it (one budget per request). (Sampled rows draw from one generator: their draws depend on the batch.)"""
+    from attnlab.data.batching import padded
+    m = attnlab.load(dirs["translation"], device="cpu")
+    short, long = "Hi.", "Where is the train station? I love coding, and the train is late."
+    endless = dict(min_new_tokens=10 ** 6)
+    for cfg in (GenerationConfig(**endless), GenerationConfig(num_beams=3, **endless),
+                GenerationConfig(do_sample=True, seed=3, **endless)):
+        ids = [m.tokenizer.encode(t, eos=True) for t in (short, long)]
+        src, mask = padded(ids, m.config.pad_id)
+        out = generate(m.module, src, mask, cfg).sequences
+        assert [len(s) for s in out] == [len(i) + 50 for i in ids], cfg
+        if not cfg.do_sample:
+            assert out[0] == generate(m.module, src[:1, : len(ids[0])], None, cfg).sequences[0], cfg
+            assert m.translate([short, long], cfg)[0] == m.translate([short], cfg)[0], cfg
+
+
+def test_sampling_refuses_a_temperature_that_is_greedy_in_all_but_rounding():
+    from attnlab.generate.search import MIN_TEMPERATURE
+    GenerationConfig(do_sample=True, temperature=MIN_TEMPERATURE).validate()
+    GenerationConfig(do_sample=False, temperature=0.0).validate()  # (greedy ignores it)
+    for t in (0.0, 1e-39, MIN_TEMPERATURE / 2):
+        with pytest.raises(ValueError, match="decode greedily instead"):
+            GenerationConfig(do_sample=True, temperature=t).validate()
+
+
+def test_a_hugging_face_classifier_folder_classifies_with_its_labels_as_transformers_does(tmp_path):
+    """A BertForSequenceClassification folder (no task record): its id2label names the classes, its own tokenizer
+    frames the text ([CLS] … [SEP], no second [CLS] added), and the probabilities are transformers'."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz", "the", "dog", "good", "bad"]
+    tk = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tk.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+    tk.save(str(tmp_path / "tokenizer.json"))
+    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32, num_labels=2,
+                                  id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1})
+    torch.manual_seed(0)
+    hf = transformers.BertForSequenceClassification(cfg).eval()
+    with torch.no_grad():  # (a random head scores every text ~0.5: make the texts' classes differ)
+        hf.classifier.weight.mul_(40)
+    hf.save_pretrained(tmp_path)
+    m = attnlab.load(tmp_path, device="cpu")
+    texts = ["the good dog", "a bad dog", "x"]
+    assert m.kind == "classify" and m.task["labels"] == ["negative", "positive"]
+    with torch.no_grad():
+        ref = [hf(torch.tensor([e.ids])).logits.softmax(-1)[0] for e in tk.encode_batch(texts)]
+    got = m.classify(texts)
+    assert [label for label, _ in got] == [cfg.id2label[int(p.argmax())] for p in ref]
+    torch.testing.assert_close(torch.tensor([p for _, p in got]), torch.stack([p.max() for p in ref]), atol=1e-5, rtol=0)
+    assert m.score(texts, [label for label, _ in got])["accuracy"] == 1.0

@@ -196,6 +196,12 @@ def test_errors_have_openai_shape_and_the_server_keeps_serving(live, models):
         (422, dict(model="lm", messages="hi")),
         (400, dict(model="lm", messages=user, presence_penalty=0.5)),
         (400, dict(model="lm", messages=user, stop=["a"] * 5)),
+        # what it cannot honour is refused, not ignored; a seed past torch's generator is the client's error
+        (400, dict(model="lm", messages=user, logit_bias={"3": -100})),
+        (400, dict(model="lm", messages=user, response_format={"type": "json_object"})),
+        (400, dict(model="lm", messages=user, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+        (400, dict(model="lm", messages=user, seed=2 ** 64)),
+        (400, dict(model="lm", messages=user, seed=2 ** 64 - 1, n=2)),  # (choice j samples with seed + j)
     ]
     for status, kw in cases:
         with pytest.raises(openai.APIStatusError) as e:
@@ -205,6 +211,16 @@ def test_errors_have_openai_shape_and_the_server_keeps_serving(live, models):
         assert set(err) >= {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="lm", prompt="x" * CONTEXT, max_tokens=1)
+    for kw in (dict(echo=True), dict(suffix="END"), dict(best_of=3)):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="lm", prompt="the", max_tokens=2, **kw)
+        assert e.value.body["param"] == next(iter(kw)) and e.value.body["code"] == "unsupported"
+    # their defaults are accepted (clients send them)
+    r = c.completions.create(model="lm", prompt="the", max_tokens=3, temperature=0, best_of=1, echo=False, seed=-1)
+    assert r.choices[0].text == alone(models["lm"], "the", 3)
+    r = c.chat.completions.create(model="lm", messages=user, max_tokens=3, temperature=0, response_format={"type": "text"},
+                                  logit_bias={}, tools=[])
+    assert r.choices[0].message.content == alone(models["lm"], "hi", 3)
     with pytest.raises(openai.BadRequestError):
         c.embeddings.create(model="enc", input=[""])
     too_long = httpx.post(live.url + "/v1/translate", json={"texts": ["the dog " * 20]})
@@ -677,6 +693,149 @@ def test_engine_failures_in_a_packed_step_fail_the_batch_and_the_engine_goes_on(
     for r in (running, late):
         assert r.events[-1][0] == "done"
         assert lm.tokenizer.decode([t for kind, t in r.events if kind == "token"]) == want
+
+
+def test_a_requests_own_failure_leaves_the_batch_serving(models):
+    """Driven directly (no thread): a sampled row whose pick fails at a later step leaves with its error alone,
+    and the greedy row beside it gives its answer served alone; a temperature under MIN_TEMPERATURE (1e-39
+    overflowed the scaled logits and failed the whole batch) decodes greedily, as vLLM."""
+    from attnlab.serve.engine import Engine, Request
+    lm = models["lm"]
+    prompt = lm.prompt_ids("the quick")
+
+    def request(n=6, **kw):
+        r = Request(prompt=list(prompt), max_new_tokens=n, **kw)
+        r.events = []
+        r._emit = r.events.append
+        return r
+
+    eng = Engine(lm, max_batch=4)
+    with torch.inference_mode():
+        greedy, bad, tiny = request(), request(temperature=0.7, seed=1), request(temperature=1e-39, seed=1)
+        eng._admit_all([greedy, bad, tiny])
+        assert len(eng._rows) == 3
+        pick = eng._pick
+        eng._pick = lambda req, logits: (_ for _ in ()).throw(RuntimeError("probability tensor contains nan")) \
+            if req is bad else pick(req, logits)
+        while eng._rows:
+            eng._step()
+            eng._drop_finished()
+    assert bad.events[-1][0] == "error" and "nan" in str(bad.events[-1][1])
+    want = alone(lm, "the quick", 6)
+    for r in (greedy, tiny):
+        assert r.events[-1][0] == "done"
+        assert lm.tokenizer.decode([t for kind, t in r.events if kind == "token"]) == want
+
+
+def test_requests_that_left_the_queue_neither_wait_nor_count():
+    """A queued request whose client went away (cancelled) is not a waiting request: it does not fill the queue
+    (a new request was refused 429 for it) and /health's depth does not count it."""
+    from attnlab.serve.engine import Engine, QueueFull, Request
+    models = _models()
+    eng = Engine(models["lm"], max_batch=1, max_queue=1)
+    eng._start = lambda: None  # (no engine thread: the queue is all there is)
+    eng._rows = [Request(prompt=[1], max_new_tokens=1)]  # the batch's only row is taken
+    first = eng.submit(Request(prompt=[1], max_new_tokens=1))
+    assert eng.queue_depth == 1
+    with pytest.raises(QueueFull):
+        eng.submit(Request(prompt=[1], max_new_tokens=1))
+    first.cancel()
+    assert eng.queue_depth == 0
+    eng.submit(Request(prompt=[1], max_new_tokens=1))
+    assert eng.queue_depth == 1 and len(eng._pending) == 1
+
+
+def test_attention_runs_while_the_batch_is_full_and_its_full_queue_is_429(models):
+    """/v1/attention is a call on the translator's thread between two steps: with the batch full (max_batch 1,
+    one long translation running) it is answered before that translation ends; with the queue full it is a 429
+    (it was a 500)."""
+    s = Live(create_app({"mt": models["mt"]}, max_batch=1, max_queue=1))
+    try:
+        engine = s.server.config.app.state.server.engines["mt"]
+        engine.on_step = lambda rows: time.sleep(0.03)  # ~50 steps: a translation takes ~1.5 s or more
+        long = {}
+        runner = threading.Thread(target=lambda: long.setdefault("r", httpx.post(
+            s.url + "/v1/translate", json={"texts": ["the quick brown fox"], "beam": 1, "max_len": 50}, timeout=60)))
+        runner.start()
+        deadline = time.time() + 10
+        while engine.batch_size < 1 and time.time() < deadline:
+            time.sleep(0.005)
+        r = httpx.post(s.url + "/v1/attention", json={"text": "the dog", "translation": "dog"}, timeout=60)
+        assert r.status_code == 200 and engine.batch_size == 1 and "r" not in long  # the translation goes on
+        waiting = threading.Thread(target=lambda: httpx.post(s.url + "/v1/translate", json={"texts": ["a"], "beam": 1},
+                                                             timeout=60))
+        waiting.start()
+        while engine.queue_depth < 1 and time.time() < deadline:
+            time.sleep(0.005)
+        full = httpx.post(s.url + "/v1/attention", json={"text": "the dog", "translation": "dog"}, timeout=60)
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        runner.join(timeout=60)
+        waiting.join(timeout=60)
+        assert long["r"].status_code == 200
+    finally:
+        s.close()
+
+
+def test_a_translation_past_learned_positions_fails_alone(models):
+    """A translator with learned positions (BART's kind) has at most max_len target positions: the default budget
+    stops there (it failed the batch at the table's end), a larger max_len is that request's 400, and a request
+    beside it that fits is answered as served alone."""
+    from concurrent.futures import ThreadPoolExecutor
+    tok = models["mt"].tokenizer
+    torch.manual_seed(0)
+    net = build_model(get_preset("mt-tiny", n_encoder_layers=1, n_decoder_layers=1, vocab_size=tok.vocab_size,
+                                 d_model=32, n_heads=2, d_ff=64, dropout=0.0, max_len=16, positions="learned")).eval()
+    mt = LoadedModel(net, tok, tok, "translation", "mt")
+    endless = GenerationConfig(num_beams=1, min_new_tokens=10 ** 6)  # (never ends: runs to its budget)
+    assert len(generate_ids(mt, "the dog", endless)) == 16
+    with pytest.raises(ValueError, match="max_new_tokens=17 is past the decoder's learned position table"):
+        mt.translate(["the dog"], GenerationConfig(max_new_tokens=17))
+    s = Live(create_app({"mt": mt}))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            too_long, fits = pool.map(lambda n: httpx.post(s.url + "/v1/translate", timeout=60, json={
+                "texts": ["the dog"], "beam": 1, "max_len": n}), (100, 12))
+        assert too_long.status_code == 400 and "learned position table" in too_long.json()["error"]["message"]
+        assert fits.status_code == 200
+        assert fits.json()["translations"] == mt.translate(["the dog"], GenerationConfig(max_new_tokens=12))
+        default = httpx.post(s.url + "/v1/translate", json={"texts": ["the dog"], "beam": 2}, timeout=60)
+        assert default.status_code == 200 and default.json()["translations"] == mt.translate(
+            ["the dog"], GenerationConfig(num_beams=2))
+    finally:
+        s.close()
+
+
+def generate_ids(m, text, cfg):
+    from attnlab.generate import generate
+    return generate(m.module, torch.tensor([m.tokenizer.encode(text, eos=True)]), None, cfg).sequences[0]
+
+
+def test_chat_templates_render_with_hugging_faces_globals(models):
+    """The template sees bos_token / eos_token (Llama 3 begins with {{ bos_token }}) and raise_exception: a template
+    that refuses the messages (Mistral's: roles must alternate) is the client's 400 with its message, streamed or
+    not (it was a 500), and a ValueError in the library."""
+    template = ("{{ bos_token }}{% for m in messages %}{% if loop.index0 % 2 == 1 and m.role == 'user' %}"
+                "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                "<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}<assistant>")
+    base = models["llama"]
+    m = LoadedModel(base.module, base.tokenizer, base.tokenizer, "lm", "strict", chat_template=template)
+    tok = m.tokenizer
+    ids = m.chat_ids([{"role": "user", "content": "hi"}])
+    assert ids[0] == tok.bos_id and tok.eos_id in ids
+    twice = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+    with pytest.raises(ValueError, match="Conversation roles must alternate"):
+        m.chat_ids(twice)
+    s = Live(create_app({"strict": m}))
+    try:
+        for stream in (False, True):
+            r = httpx.post(s.url + "/v1/chat/completions", json={"model": "strict", "messages": twice, "stream": stream,
+                                                                  "max_tokens": 2})
+            assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"], stream
+        r = s.client().chat.completions.create(model="strict", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, temperature=0)
+        assert r.choices[0].message.content == m.generate(["hi"], GenerationConfig(max_new_tokens=4), chat=True)[0]
+    finally:
+        s.close()
 
 
 def test_compile_keeps_quantised_models_and_translators_eager_in_the_server(models, monkeypatch):

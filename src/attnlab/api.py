@@ -70,6 +70,7 @@ class LoadedModel:
         with ``--source-prefix`` gets its prefix before every text here (task.json keeps it)."""
         from .generate.translate import translate
         self._need("translation", call="translate")
+        _listed(texts, "translate")
         prefix = self.task.get("source_prefix", "")
         return translate(self.module, self.tokenizer, self.tgt_tokenizer, [prefix + t for t in texts], options,
                          batch_size=batch_size, nbest=nbest)
@@ -90,13 +91,10 @@ class LoadedModel:
     def prompt_ids(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids of a prompt: through the model's chat template with ``chat``, else with BOS where the
         model uses one."""
-        from .pretrained import apply_chat_template
         if chat:
-            if not self.chat_template:
-                raise ValueError(f"{self.name or 'this model'} has no chat template; drop --chat")
             messages = ([{"role": "system", "content": system}] if system else []) + \
                 [{"role": "user", "content": prompt}]
-            return self.tokenizer.encode(apply_chat_template(self.chat_template, messages))
+            return self.chat_ids(messages)
         cfg = self.config
         ids = self.tokenizer.encode(prompt, bos=cfg.bos_id != cfg.eos_id and not self.chat_template)
         if not ids:
@@ -104,11 +102,20 @@ class LoadedModel:
                              + (", or use --chat" if self.chat_template else ""))
         return ids
 
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation (``{"role", "content"}`` dicts) through the model's own chat template,
+        rendered as Hugging Face renders it (:func:`attnlab.pretrained.apply_chat_template`)."""
+        from .pretrained import apply_chat_template
+        if not self.chat_template:
+            raise ValueError(f"{self.name or 'this model'} has no chat template; drop --chat")
+        return self.tokenizer.encode(apply_chat_template(self.chat_template, messages, tokenizer=self.tokenizer))
+
     def generate(self, prompts: list[str], options: GenerationConfig | None = None, chat: bool = False,
                  system: str | None = None) -> list[str]:
         """The continuation of each prompt (the prompt itself is not repeated)."""
         from .generate import generate
         self._need("lm", call="generate")
+        _listed(prompts, "generate")
         out = []
         for prompt in prompts:  # one at a time: prompts of different lengths need no padding
             ids = self.prompt_ids(prompt, chat, system)
@@ -139,6 +146,8 @@ class LoadedModel:
         """The text the new tokens add to the prompt. Decoding them alone would lose the space a token
         carries at its start (" Paris"); decoding prompt + continuation and cutting keeps it."""
         raw = self.tokenizer.tk.decode  # not Tokenizer.decode: a chat prompt holds end-of-turn tokens
+        tok = self.tokenizer  # (but new padding or BOS tokens are no text, as Tokenizer.decode drops them)
+        new_ids = [i for i in new_ids if i not in (tok.pad_id, tok.bos_id) or i == tok.eos_id]
         before = raw(list(prompt_ids), skip_special_tokens=False)
         full = raw(list(prompt_ids) + list(new_ids), skip_special_tokens=False)
         return full[len(before):] if full.startswith(before) else self.tokenizer.decode(new_ids)
@@ -147,13 +156,21 @@ class LoadedModel:
     def embed(self, texts: list[str], batch_size: int = 32):
         """Sentence embeddings (numpy float32, one row per text): pooled hidden states, L2-normalised
         where the model says so (MiniLM)."""
+        from .data.encoding import encode_for_classifier, mlm_rows
         from .pretrained import Pretrained, embed
         self._need("embedding", "classify", "mlm", call="embed")
-        return embed(Pretrained(self.module, self.tokenizer, normalize=self.normalize), texts, batch_size)
+        _listed(texts, "embed")
+        encoded = None  # (attnlab's own classifiers and masked LMs: framed as in training, so <s> is what is pooled)
+        if self.kind == "classify" and self.task.get("add_bos", True):
+            encoded = encode_for_classifier(self.tokenizer, texts, self.task)
+        elif self.kind == "mlm":
+            encoded = mlm_rows(self.tokenizer, texts, self.task.get("max_len", self.config.max_len))
+        return embed(Pretrained(self.module, self.tokenizer, normalize=self.normalize), texts, batch_size, encoded)
 
     def classify(self, texts: list[str]) -> list[tuple[str, float]]:
         """(label, probability of that label) per text; for an image classifier, per image: uint8
         pixels (N, H, W[, C]) as a numpy array or tensor, or image file paths."""
+        _listed(texts, "classify")
         if self.kind == "image-classify":
             from .train.tasks.image_classify import classify_images
             return classify_images(self.module, self.task, texts, self.device)
@@ -214,6 +231,12 @@ class LoadedModel:
                          "(use embed and your own metric)")
 
 
+def _listed(texts, call: str) -> None:
+    """A list of texts is expected: a bare string would be taken one character at a time."""
+    if isinstance(texts, str):
+        raise TypeError(f"{call} takes a list of texts; for one text: {call}([text])")
+
+
 def load(name_or_dir: str | Path, device: str | torch.device = "auto", bf16: bool = False,
          quantize: str | None = None) -> LoadedModel:
     """Any model attnlab reads: ``minilm``, ``smollm2``, a ``.gguf`` file, a Hugging Face folder, or a
@@ -244,8 +267,21 @@ def load(name_or_dir: str | Path, device: str | torch.device = "auto", bf16: boo
     else:
         kind = ("image-classify" if p.model.config.is_image_model else "classify") if p.model.config.n_classes \
             else "embedding"
+    if not task and kind == "classify":  # a Hugging Face classifier: its labels, and its tokenizer frames the text
+        task = {"task": "classify", "labels": _hf_labels(spec, p.model.config.n_classes), "add_bos": False}
     tgt = getattr(p, "tgt_tokenizer", None) or p.tokenizer
     return LoadedModel(p.model, p.tokenizer, tgt, kind, spec, task, p.chat_template, p.normalize)
+
+
+def _hf_labels(spec: str, n_classes: int) -> list[str]:
+    """A Hugging Face classifier's class names in id order: config.json's ``id2label``, else Hugging Face's own
+    default names (LABEL_0, LABEL_1, ...)."""
+    import json
+    try:
+        id2label = json.loads((Path(spec) / "config.json").read_text(encoding="utf-8")).get("id2label") or {}
+    except (OSError, ValueError):
+        id2label = {}
+    return [str(id2label.get(str(i), f"LABEL_{i}")) for i in range(n_classes)]
 
 
 def _task_record(spec: str) -> dict:

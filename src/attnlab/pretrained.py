@@ -128,9 +128,10 @@ def _load_sentence_transformer(folder: Path, dtype) -> Pretrained:
 
 
 @torch.inference_mode()
-def embed(pretrained: Pretrained, sentences: list[str], batch_size: int = 32):
+def embed(pretrained: Pretrained, sentences: list[str], batch_size: int = 32, encoded: list[list[int]] | None = None):
     """Sentence embeddings (numpy, float32): pooled hidden states, L2-normalised if the model says so.
-    Sentences are batched by length so little work goes into padding."""
+    Sentences are batched by length so little work goes into padding. ``encoded``: their ids framed as the model
+    was trained (attnlab's classifiers and masked LMs begin with ``<s>``); by default the tokenizer's own ids."""
     import numpy as np
 
     from .data.batching import by_length, padded
@@ -138,7 +139,10 @@ def embed(pretrained: Pretrained, sentences: list[str], batch_size: int = 32):
     model, tok = accelerate_for_inference(pretrained.model), pretrained.tokenizer
     if model.config.family != "encoder-only":
         raise ValueError("embeddings need an encoder-only model (e.g. --model minilm)")
-    encoded = tok.encode_batch(sentences)
+    encoded = tok.encode_batch(sentences) if encoded is None else encoded
+    empty = next((i for i, ids in enumerate(encoded) if not ids), None)
+    if empty is not None:
+        raise ValueError(f"text {empty} has no tokens to embed (an empty text?)")
     out = np.zeros((len(sentences), model.config.d_model), dtype=np.float32)
     for idx in by_length(encoded, batch_size):
         ids, mask = padded([encoded[i] for i in idx], model.config.pad_id)
@@ -150,9 +154,35 @@ def embed(pretrained: Pretrained, sentences: list[str], batch_size: int = 32):
     return out
 
 
-def apply_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """Render the model's own (Jinja) chat template, as Hugging Face does."""
-    return _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+def apply_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                        tokenizer=None) -> str:
+    """Render the model's own (Jinja) chat template, as Hugging Face does: with its globals ``raise_exception``
+    and ``strftime_now``, and the tokenizer's special tokens as ``bos_token``, ``eos_token``, ``pad_token`` and
+    ``unk_token`` (Llama 3's templates begin with ``{{ bos_token }}``). A template that refuses the messages
+    (``raise_exception``: Mistral's refuses two user turns in a row) raises ValueError with its message."""
+    from jinja2.exceptions import TemplateError
+    specials = {}
+    if tokenizer is not None:
+        for name in ("bos", "eos", "pad", "unk"):
+            i = getattr(tokenizer, f"{name}_id", None)
+            token = tokenizer.id_to_token(i) if i is not None else None
+            if token is not None:
+                specials[f"{name}_token"] = token
+    try:
+        return _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                   **specials)
+    except TemplateError as e:
+        raise ValueError(f"the model's chat template refused these messages: {e.message or e}") from None
+
+
+def _template_refusal(message: str):
+    from jinja2.exceptions import TemplateError
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+    return datetime.datetime.now().strftime(fmt)
 
 
 @functools.lru_cache(maxsize=16)
@@ -162,4 +192,6 @@ def _compiled_template(template: str):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         _missing("jinja2")
-    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(raise_exception=_template_refusal, strftime_now=_strftime_now)
+    return env.from_string(template)

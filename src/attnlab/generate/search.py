@@ -57,6 +57,11 @@ def log_softmax_(x: torch.Tensor) -> torch.Tensor:
     return x.log_softmax(-1)
 
 
+# Sampling below this temperature is greedy decoding in all but rounding (vLLM draws the same line; attnlab serve maps
+# such a request to greedy), and logits / temperature overflow float32 near 1e-37: GenerationConfig refuses it.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class GenerationConfig:
     max_new_tokens: int | None = None  # None: source length + 50 (translation), 128 (LM)
@@ -79,8 +84,9 @@ class GenerationConfig:
             raise ValueError(f"num_beams={self.num_beams} must be >= 1")
         if self.num_return_sequences > self.num_beams and not self.do_sample:
             raise ValueError(f"num_return_sequences={self.num_return_sequences} > num_beams={self.num_beams}")
-        if self.temperature <= 0 and self.do_sample:
-            raise ValueError(f"temperature={self.temperature} must be > 0 when sampling")
+        if self.temperature < MIN_TEMPERATURE and self.do_sample:
+            raise ValueError(f"temperature={self.temperature} is below {MIN_TEMPERATURE} while sampling: that samples "
+                             f"the argmax (and under ~1e-37 the scaled logits overflow); decode greedily instead")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.repetition_penalty <= 0:
@@ -170,19 +176,22 @@ class DecoderOnlyStepper:
 
 
 def stream_tokens(stepper, batch_size: int, start: torch.Tensor | None, cfg: GenerationConfig,
-                  eos_id: int, max_new_tokens: int, prompts: list[list[int]] | None = None,
+                  eos_id: int, max_new_tokens: int | list[int], prompts: list[list[int]] | None = None,
                   pad_id: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Greedy or sampled decoding; yields (row indices, new tokens) after every step.
+    """Greedy or sampled decoding; yields (row indices, new tokens) after every step. ``max_new_tokens``: one
+    budget for every row, or a list of each row's own (a translation's: its own source length + 50).
 
-    Finished rows (EOS) leave the batch: their cache rows are dropped so they stop costing work.
+    Finished rows (EOS, or their budget spent) leave the batch: their cache rows are dropped so they stop
+    costing work.
     """
     device = start.device if start is not None else stepper.prompt.device
+    budgets = torch.tensor(max_new_tokens, device=device) if isinstance(max_new_tokens, list) else None
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.seed is not None else None
     process = LogitsProcessor(cfg, eos_id, prompts, pad_id)
     active = torch.arange(batch_size, device=device)  # original row of each live row
     generated: list[list[int]] = [[] for _ in range(batch_size)]
     tokens = start
-    for step in range(max_new_tokens):
+    for step in range(int(budgets.max()) if budgets is not None else max_new_tokens):
         logits = stepper.step(tokens)  # (live, V)
         if process.needs_history and prompts is not None:
             process.prompts = [prompts[i] for i in active.tolist()]
@@ -196,6 +205,8 @@ def stream_tokens(stepper, batch_size: int, start: torch.Tensor | None, cfg: Gen
             generated[r].append(t)
         yield active, nxt
         done = nxt == eos_id
+        if budgets is not None:
+            done |= budgets[active] <= step + 1
         if done.all():
             return
         if done.any():
@@ -214,7 +225,7 @@ def length_penalty(length: int, alpha: float) -> float:
 
 
 def beam_search(stepper, batch_size: int, start: torch.Tensor, cfg: GenerationConfig, eos_id: int,
-                max_new_tokens: int, prompts: list[list[int]] | None = None,
+                max_new_tokens: int | list[int], prompts: list[list[int]] | None = None,
                 pad_id: int | None = None) -> list[list[Hypothesis]]:
     """Batched beam search (B·K rows). Returns, per input, the finished hypotheses sorted by
     length-normalised score (best first)."""
@@ -235,10 +246,12 @@ class BeamSearch:
     the K best others alive. ``beam_search`` drives it for one batch; ``attnlab serve`` drives one
     per request inside its shared decoding batch."""
 
-    def __init__(self, batch_size: int, cfg: GenerationConfig, eos_id: int, max_new_tokens: int,
+    def __init__(self, batch_size: int, cfg: GenerationConfig, eos_id: int, max_new_tokens: int | list[int],
                  prompts: list[list[int]] | None = None, pad_id: int | None = None, device=None):
         K, B = cfg.num_beams, batch_size
-        self.cfg, self.eos_id, self.max_new_tokens, self.B, self.K = cfg, eos_id, max_new_tokens, B, K
+        self.cfg, self.eos_id, self.B, self.K = cfg, eos_id, B, K
+        # each input's budget of new tokens (one for all, or a list: a translation's own source length + 50)
+        self.budgets = list(max_new_tokens) if isinstance(max_new_tokens, list) else [max_new_tokens] * B
         self.process = LogitsProcessor(cfg, eos_id, [p for p in prompts for _ in range(K)] if prompts else None,
                                        pad_id)
         self.scores = torch.full((B, K), float("-inf"), device=device)
@@ -263,9 +276,9 @@ class BeamSearch:
         top, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
         beam, tok = idx // W, best_tok.view(B, K * W).gather(1, idx)
         is_eos = tok == self.eos_id
-        last = step == self.max_new_tokens - 1
-        # Finish EOS candidates ranked within the top K; at the length limit, the top K of all.
-        for b, j in (is_eos[:, :K] if not last else torch.ones_like(is_eos[:, :K])).nonzero().tolist():
+        last = torch.tensor([step == n - 1 for n in self.budgets], device=device)  # (B,) inputs at their limit
+        # Finish EOS candidates ranked within the top K; at an input's length limit, the top K of all.
+        for b, j in (is_eos[:, :K] | last[:, None]).nonzero().tolist():
             if not self.done[b] and top[b, j] != float("-inf"):
                 self.finished[b].append(_hypothesis(self.seqs[b * K + beam[b, j].item()].tolist(), tok[b, j].item(),
                                                     bool(is_eos[b, j]), top[b, j].item(), cfg.length_penalty))
@@ -276,9 +289,9 @@ class BeamSearch:
         rows = (beam.gather(1, keep) + torch.arange(B, device=device)[:, None] * K).view(-1)
         new_tok = tok.gather(1, keep).view(-1)
         for b in range(B):
-            self.done[b] = self.done[b] or _group_done(self.finished[b], new_scores[b].max().item(), cfg, step,
-                                                       self.max_new_tokens)
-        if all(self.done) or last:
+            self.done[b] = self.done[b] or step >= self.budgets[b] - 1 or _group_done(
+                self.finished[b], new_scores[b].max().item(), cfg, step, self.budgets[b])
+        if all(self.done):
             return None
         self.scores = new_scores.masked_fill(torch.tensor(self.done, device=device)[:, None], float("-inf"))
         self.seqs = torch.cat([self.seqs.index_select(0, rows), new_tok[:, None]], 1)
@@ -335,6 +348,20 @@ def lm_budget(model, prompt_len: int, cfg: GenerationConfig) -> int:
     return max_new
 
 
+def translation_budget(model, source_len: int, cfg: GenerationConfig) -> int:
+    """New target tokens for one source of ``source_len`` tokens: ``max_new_tokens``, by default the source length
+    + 50, and never past the decoder's learned position table (the start token sits at position 0, the n-th new
+    token is fed at n - 1, so at most ``max_len`` new tokens; the default is cut there, a larger request refused)."""
+    mcfg = model.config
+    max_new = cfg.max_new_tokens or source_len + 50
+    if mcfg.positions == "learned" and max_new > mcfg.max_len:
+        if cfg.max_new_tokens:
+            raise ValueError(f"max_new_tokens={cfg.max_new_tokens} is past the decoder's learned position table "
+                             f"(max_len={mcfg.max_len}): ask for at most {mcfg.max_len} new tokens")
+        max_new = mcfg.max_len
+    return max_new
+
+
 @torch.inference_mode()
 def stream(model, prompt_ids: list[int], config: GenerationConfig | None = None, **overrides) -> Iterator[int]:
     """Greedy or sampled decoding of one decoder-only prompt, yielding each new token id as soon as it
@@ -365,7 +392,7 @@ def generate(model, inputs: torch.Tensor, input_mask: torch.Tensor | None = None
     """Generate for a batch.
 
     * encoder-decoder: ``inputs`` are source ids (B, S) with ``input_mask`` (True = token);
-      the decoder starts from BOS. Default max length: source length + 50 (the paper).
+      the decoder starts from BOS. Default max length: each source's own length + 50 (the paper).
     * decoder-only: ``inputs`` are **left-padded** prompts (B, T) with ``input_mask``.
     Returns the generated tokens (without EOS) per input, and the n-best lists for beam search.
     """
@@ -393,10 +420,10 @@ def _start(model, inputs: torch.Tensor, input_mask: torch.Tensor | None, cfg: Ge
     """(stepper, first input tokens, prompts for the penalties, max new tokens) for the model's family."""
     mcfg, B = model.config, inputs.shape[0]
     K = cfg.num_beams if not cfg.do_sample else 1
-    if isinstance(model, EncoderDecoder):
-        max_new = cfg.max_new_tokens or (int(input_mask.sum(1).max()) if input_mask is not None
-                                         else inputs.shape[1]) + 50
-        stepper = Seq2SeqStepper(model, inputs, input_mask, expand=K, capacity=max_new + 1, compile=cfg.compile)
+    if isinstance(model, EncoderDecoder):  # each source its own budget: a translation does not depend on its batch
+        lengths = input_mask.sum(1).tolist() if input_mask is not None else [inputs.shape[1]] * B
+        max_new = [translation_budget(model, int(n), cfg) for n in lengths]
+        stepper = Seq2SeqStepper(model, inputs, input_mask, expand=K, capacity=max(max_new) + 1, compile=cfg.compile)
         return stepper, torch.full((B * K, 1), mcfg.bos_id, dtype=torch.long, device=inputs.device), None, max_new
     if isinstance(model, DecoderOnly):
         max_new = lm_budget(model, inputs.shape[1], cfg)

@@ -101,6 +101,12 @@ class _Sampling(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None      # {"type": "text"} only
+    tools: list | None = None
+    best_of: int | None = None               # (completions) 1 or n only: one sample each
+    echo: bool = False                       # (completions)
+    suffix: str | None = None                # (completions)
 
 
 class ChatRequest(_Sampling):
@@ -360,8 +366,7 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
         messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]
         try:
             if m.chat_template:
-                from ..pretrained import apply_chat_template
-                ids = m.tokenizer.encode(apply_chat_template(m.chat_template, messages))
+                ids = m.chat_ids(messages)
             else:
                 ids = m.prompt_ids("\n".join(x["content"] for x in messages))
         except ValueError as e:
@@ -434,6 +439,8 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
             return m.attention(body.text, translation)
         try:  # on the model's own thread, between two steps of its translation batch
             out = await server.engines[name].call(maps)
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_exceeded", code="queue_full") from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         return {"model": name, "translation": out["translation"], "src_tokens": out["src_tokens"],
@@ -489,9 +496,18 @@ async def _generate(server: Server, name: str, m, prompts: list[list[int]], body
             raise APIError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({max_new}) is past the context of "
                            f"{name} ({context} tokens): ask for at most {context - len(ids)}",
                            param="max_tokens", code="context_length_exceeded")
-    for param in ("presence_penalty", "frequency_penalty", "logprobs"):
-        if getattr(body, param):
-            raise APIError(400, f"{param} is not supported by attnlab serve", param=param, code="unsupported")
+    unsupported = [p for p in ("presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "tools", "echo",
+                               "suffix") if getattr(body, p)]
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        unsupported.append("response_format")
+    if body.best_of not in (None, 1, body.n):
+        unsupported.append("best_of")
+    if unsupported:
+        raise APIError(400, f"{unsupported[0]} is not supported by attnlab serve", param=unsupported[0],
+                       code="unsupported")
+    if body.seed is not None and not -2 ** 63 <= body.seed <= 2 ** 64 - body.n:  # (choice j samples with seed + j)
+        raise APIError(400, f"seed must be an integer from -2**63 to 2**64 - n ({2 ** 64 - body.n} with n={body.n})",
+                       param="seed")
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts × n={body.n} is more than {MAX_CHOICES} choices in one request",
                        param="n")

@@ -51,7 +51,7 @@ import torch
 
 from ..accel import compiled_step
 from ..generate.processors import LogitsProcessor, top_k_top_p
-from ..generate.search import BeamSearch, GenerationConfig
+from ..generate.search import MIN_TEMPERATURE, BeamSearch, GenerationConfig, translation_budget
 from ..quant import quantized_kind
 
 log = logging.getLogger("attnlab")
@@ -114,7 +114,7 @@ class Request(Job):
     ("token", id) ..., then ("done", "stop"|"length"), or ("error", exception)."""
     prompt: list[int]
     max_new_tokens: int
-    temperature: float = 0.0          # 0: greedy
+    temperature: float = 0.0          # 0 (or under MIN_TEMPERATURE): greedy
     top_p: float = 1.0
     seed: int | None = None
     first_token_at: float | None = None
@@ -168,7 +168,8 @@ class _EngineLoop:
     # -- the caller's side (any thread) ---------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:
-        return len(self._pending)
+        with self._cv:
+            return sum(not job.cancelled for job in self._pending)
 
     @property
     def batch_size(self) -> int:
@@ -176,6 +177,8 @@ class _EngineLoop:
 
     def submit(self, job: Job) -> Job:
         with self._cv:
+            if any(j.cancelled for j in self._pending):  # (their clients left: they wait for nothing)
+                self._pending = deque(j for j in self._pending if not j.cancelled)
             free = max(0, self.max_batch - len(self._rows))  # requests that join at the next step do not wait
             if len(self._pending) - free >= self.max_queue:
                 raise QueueFull(f"the queue of {self.model.name} is full ({self.max_queue} waiting requests)")
@@ -211,9 +214,17 @@ class _EngineLoop:
                         self._cv.wait()
                     if self._stop:
                         break
-                    admit = []
-                    while self._pending and len(self._rows) + len(admit) < self.max_batch:
-                        admit.append(self._pending.popleft())
+                    # calls run now, whatever the batch's size; rows join in order while there is room
+                    admit, waiting, room = [], deque(), self.max_batch - len(self._rows)
+                    for job in self._pending:
+                        if job.cancelled:
+                            continue
+                        if isinstance(job, Call) or room > 0:
+                            admit.append(job)
+                            room -= not isinstance(job, Call)
+                        else:
+                            waiting.append(job)
+                    self._pending = waiting
                 joining = []
                 for job in admit:
                     if job.cancelled:
@@ -382,6 +393,16 @@ class Engine(_EngineLoop):
             return int(torch.multinomial(logits.softmax(-1), 1, generator=req._gen).item())
         return int(logits.argmax(-1).item())
 
+    def _pick_or_fail(self, req: Request, logits: torch.Tensor) -> int:
+        """:meth:`_pick`, or where this row's own options fail it, that row alone leaves with the error (the
+        others' tokens are computed already; one request must not fail the batch). EOS stands in for its token."""
+        try:
+            return self._pick(req, logits)
+        except Exception as e:
+            req._emit(("error", e))
+            req.cancelled = True
+            return self.eos_id
+
     def _accept(self, req: Request, token: int) -> bool:
         """Record a token; whether the request goes on."""
         if req.first_token_at is None:
@@ -437,12 +458,12 @@ class Engine(_EngineLoop):
         try:  # (the running rows are consistent here: only the newcomers fail)
             self._remember_prefix(ok[0].prompt, cache, mask[0])
             logits = logits.float()
-            tokens = [self._pick(r, logits[i: i + 1]) for i, r in enumerate(ok)]
+            tokens = [self._pick_or_fail(r, logits[i: i + 1]) for i, r in enumerate(ok)]
         except Exception as e:
             for req in ok:
                 req._emit(("error", e))
             return
-        going = [i for i, (req, t) in enumerate(zip(ok, tokens)) if self._accept(req, t)]
+        going = [i for i, (req, t) in enumerate(zip(ok, tokens)) if not req.cancelled and self._accept(req, t)]
         if not going:
             return
         if len(going) < len(ok):
@@ -452,7 +473,8 @@ class Engine(_EngineLoop):
 
     def _setup(self, req: Request) -> None:
         """A request's sampling state: what ``stream_tokens`` sets up for one prompt."""
-        cfg = GenerationConfig(do_sample=req.temperature > 0, temperature=req.temperature or 1.0, top_p=req.top_p,
+        sample = req.temperature >= MIN_TEMPERATURE  # (below: greedy, as vLLM; sampling there would overflow)
+        cfg = GenerationConfig(do_sample=sample, temperature=req.temperature if sample else 1.0, top_p=req.top_p,
                                seed=req.seed, max_new_tokens=req.max_new_tokens)
         cfg.validate()
         req._cfg = cfg
@@ -618,7 +640,7 @@ class Engine(_EngineLoop):
             greedy = dict(zip(plain, rows.argmax(-1).tolist()))
         nxt = []
         for i, req in enumerate(self._rows):
-            t = self.eos_id if req.cancelled else greedy[i] if i in greedy else self._pick(req, logits[i: i + 1])
+            t = self.eos_id if req.cancelled else greedy[i] if i in greedy else self._pick_or_fail(req, logits[i: i + 1])
             nxt.append(t)
             if not req.cancelled and not self._accept(req, t):
                 req.cancelled = True  # done: leaves the batch below
@@ -699,8 +721,8 @@ class TranslationEngine(_EngineLoop):
 
     def _admit(self, job: TranslationJob) -> None:
         net, dev, K = self.net, self.net.device, job.cfg.num_beams
-        if job.cfg.max_new_tokens is None:  # as ``generate``: the source length + 50
-            job.cfg.max_new_tokens = len(job.src) + 50
+        # as ``generate``: the source length + 50, never past learned positions (a larger ask fails this job alone)
+        job.cfg.max_new_tokens = translation_budget(net, len(job.src), job.cfg)
         memory = net.encode(torch.tensor([job.src], device=dev))
         cache = net.new_cache()
         for layer, (_, cross) in zip(net.decoder.layers, cache.layers):
