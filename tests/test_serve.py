@@ -727,6 +727,16 @@ def test_a_requests_own_failure_leaves_the_batch_serving(models):
         assert lm.tokenizer.decode([t for kind, t in r.events if kind == "token"]) == want
 
 
+def test_a_classifier_without_max_len_in_its_task_reads_texts_as_long_as_its_positions(models):
+    """encode_for_classifier cuts at the task's max_len (128 by default) after adding <s>: a model whose record has
+    none (built by hand, as here) is cut at its own positions, so a text /v1/embeddings accepts (as many tokens as
+    the model has positions) embeds and classifies instead of running past the learned table."""
+    cls = models["cls"]
+    text = "the dog " * (CONTEXT // 8)
+    assert len(cls.tokenizer.encode(text)) == CONTEXT and "max_len" not in cls.task
+    assert cls.embed([text]).shape == (1, 32) and len(cls.classify([text])) == 1
+
+
 def test_requests_that_left_the_queue_neither_wait_nor_count():
     """A queued request whose client went away (cancelled) is not a waiting request: it does not fill the queue
     (a new request was refused 429 for it) and /health's depth does not count it."""
@@ -795,7 +805,8 @@ def test_a_translation_past_learned_positions_fails_alone(models):
         with ThreadPoolExecutor(2) as pool:
             too_long, fits = pool.map(lambda n: httpx.post(s.url + "/v1/translate", timeout=60, json={
                 "texts": ["the dog"], "beam": 1, "max_len": n}), (100, 12))
-        assert too_long.status_code == 400 and "learned position table" in too_long.json()["error"]["message"]
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_len"
+        assert "past mt's learned target positions: at most 16" in too_long.json()["error"]["message"]
         assert fits.status_code == 200
         assert fits.json()["translations"] == mt.translate(["the dog"], GenerationConfig(max_new_tokens=12))
         default = httpx.post(s.url + "/v1/translate", json={"texts": ["the dog"], "beam": 2}, timeout=60)
@@ -825,6 +836,18 @@ def test_chat_templates_render_with_hugging_faces_globals(models):
     twice = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
     with pytest.raises(ValueError, match="Conversation roles must alternate"):
         m.chat_ids(twice)
+    # a turn's start is text in a chat model's answer (stop strings see it); without a template BOS is no text
+    x = tok.encode("x")[0]
+    assert tok.id_to_token(tok.bos_id) in m.continuation(ids, [x, tok.bos_id, x])
+    lm = models["lm"]
+    assert lm.continuation([x], [x, lm.tokenizer.bos_id, lm.tokenizer.pad_id, x]) == lm.continuation([x], [x, x])
+    # a template's own fault is not the messages' (no ValueError: the server's 500); HF's loop controls work
+    from jinja2.exceptions import TemplateSyntaxError
+    from attnlab.pretrained import apply_chat_template
+    with pytest.raises(TemplateSyntaxError):
+        apply_chat_template("{% for m in messages %}{{ m.content }", [{"role": "user", "content": "hi"}])
+    assert apply_chat_template("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}"
+                               "{% endfor %}", twice) == "hi"
     s = Live(create_app({"strict": m}))
     try:
         for stream in (False, True):

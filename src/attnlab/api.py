@@ -146,8 +146,9 @@ class LoadedModel:
         """The text the new tokens add to the prompt. Decoding them alone would lose the space a token
         carries at its start (" Paris"); decoding prompt + continuation and cutting keeps it."""
         raw = self.tokenizer.tk.decode  # not Tokenizer.decode: a chat prompt holds end-of-turn tokens
-        tok = self.tokenizer  # (but new padding or BOS tokens are no text, as Tokenizer.decode drops them)
-        new_ids = [i for i in new_ids if i not in (tok.pad_id, tok.bos_id) or i == tok.eos_id]
+        tok = self.tokenizer  # (without a chat template, new padding or BOS tokens are no text, as Tokenizer.decode
+        if not self.chat_template:  # drops them; with one, BOS may be a turn's start, <|im_start|>: stop strings see it)
+            new_ids = [i for i in new_ids if i not in (tok.pad_id, tok.bos_id) or i == tok.eos_id]
         before = raw(list(prompt_ids), skip_special_tokens=False)
         full = raw(list(prompt_ids) + list(new_ids), skip_special_tokens=False)
         return full[len(before):] if full.startswith(before) else self.tokenizer.decode(new_ids)
@@ -162,7 +163,7 @@ class LoadedModel:
         _listed(texts, "embed")
         encoded = None  # (attnlab's own classifiers and masked LMs: framed as in training, so <s> is what is pooled)
         if self.kind == "classify" and self.task.get("add_bos", True):
-            encoded = encode_for_classifier(self.tokenizer, texts, self.task)
+            encoded = encode_for_classifier(self.tokenizer, texts, self._classifier_info())
         elif self.kind == "mlm":
             encoded = mlm_rows(self.tokenizer, texts, self.task.get("max_len", self.config.max_len))
         return embed(Pretrained(self.module, self.tokenizer, normalize=self.normalize), texts, batch_size, encoded)
@@ -177,8 +178,14 @@ class LoadedModel:
         from .data.encoding import encode_for_classifier
         from .evaluate.scoring import predict_classes
         self._need("classify", call="classify")
-        pred, prob = predict_classes(self.module, encode_for_classifier(self.tokenizer, texts, self.task), self.device)
+        pred, prob = predict_classes(self.module, encode_for_classifier(self.tokenizer, texts, self._classifier_info()),
+                                     self.device)
         return [(self.task["labels"][p], q) for p, q in zip(pred, prob)]
+
+    def _classifier_info(self) -> dict:
+        """The task record as ``encode_for_classifier`` reads it, its ``max_len`` never past the model's positions
+        (a record without one: the model's)."""
+        return {**self.task, "max_len": min(self.task.get("max_len", self.config.max_len), self.config.max_len)}
 
     # -- scores ----------------------------------------------------------------------------------------------
     def score(self, texts: list[str] | str, references: list[str] | None = None,
@@ -213,7 +220,8 @@ class LoadedModel:
             if references is None or len(references) != len(texts) or unknown:
                 raise ValueError(f"scoring a classifier needs one known label per text (labels: {labels}"
                                  + (f"; unknown: {unknown[:5]}" if unknown else "") + ")")
-            pred, _ = predict_classes(self.module, encode_for_classifier(self.tokenizer, texts, self.task), self.device)
+            pred, _ = predict_classes(self.module, encode_for_classifier(self.tokenizer, texts, self._classifier_info()),
+                                      self.device)
             return classification_scores([labels.index(l) for l in references], pred, len(labels))
         if self.kind == "image-classify":
             from .train.tasks.image_classify import score_images

@@ -160,7 +160,6 @@ def apply_chat_template(template: str, messages: list[dict], add_generation_prom
     and ``strftime_now``, and the tokenizer's special tokens as ``bos_token``, ``eos_token``, ``pad_token`` and
     ``unk_token`` (Llama 3's templates begin with ``{{ bos_token }}``). A template that refuses the messages
     (``raise_exception``: Mistral's refuses two user turns in a row) raises ValueError with its message."""
-    from jinja2.exceptions import TemplateError
     specials = {}
     if tokenizer is not None:
         for name in ("bos", "eos", "pad", "unk"):
@@ -171,13 +170,16 @@ def apply_chat_template(template: str, messages: list[dict], add_generation_prom
     try:
         return _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                    **specials)
-    except TemplateError as e:
-        raise ValueError(f"the model's chat template refused these messages: {e.message or e}") from None
+    except _TemplateRefusal as e:  # (any other error is the template's own: the server's to report)
+        raise ValueError(f"the model's chat template refused these messages: {e}") from None
+
+
+class _TemplateRefusal(Exception):
+    """What a chat template's ``raise_exception(message)`` raises: the messages are refused (the caller's error)."""
 
 
 def _template_refusal(message: str):
-    from jinja2.exceptions import TemplateError
-    raise TemplateError(message)
+    raise _TemplateRefusal(message)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -192,6 +194,6 @@ def _compiled_template(template: str):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         _missing("jinja2")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals.update(raise_exception=_template_refusal, strftime_now=_strftime_now)
     return env.from_string(template)

@@ -73,7 +73,7 @@ def add_generation(p, sampling: bool = False) -> None:
     if sampling:
         g.add_argument("--sample", action="store_true", help="sample instead of greedy/beam")
         g.add_argument("--temperature", type=positive_float, default=1.0,
-                       help="sampling temperature (> 0; for deterministic output drop --sample)")
+                       help="sampling temperature (at least 1e-5; for deterministic output drop --sample)")
         g.add_argument("--top-k", type=nonneg_int, default=0)
         g.add_argument("--top-p", type=probability, default=1.0)
         g.add_argument("--seed", type=int, default=None)

@@ -276,9 +276,10 @@ class BeamSearch:
         top, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
         beam, tok = idx // W, best_tok.view(B, K * W).gather(1, idx)
         is_eos = tok == self.eos_id
-        last = torch.tensor([step == n - 1 for n in self.budgets], device=device)  # (B,) inputs at their limit
+        last = [step == n - 1 for n in self.budgets]  # the inputs at their length limit
         # Finish EOS candidates ranked within the top K; at an input's length limit, the top K of all.
-        for b, j in (is_eos[:, :K] | last[:, None]).nonzero().tolist():
+        finish = is_eos[:, :K] if not any(last) else is_eos[:, :K] | torch.tensor(last, device=device)[:, None]
+        for b, j in finish.nonzero().tolist():
             if not self.done[b] and top[b, j] != float("-inf"):
                 self.finished[b].append(_hypothesis(self.seqs[b * K + beam[b, j].item()].tolist(), tok[b, j].item(),
                                                     bool(is_eos[b, j]), top[b, j].item(), cfg.length_penalty))

@@ -408,6 +408,9 @@ def create_app(models: dict, max_batch: int = 16, max_queue: int = 256, max_body
         name, m = server.model(body.model, "translation", what="translation")
         sources = m.tokenizer.encode_batch([m.task.get("source_prefix", "") + t for t in body.texts], eos=True)
         _check_lengths(name, m, sources, "texts")
+        if body.max_len and m.config.positions == "learned" and body.max_len > m.config.max_len:
+            raise APIError(400, f"max_len {body.max_len} is past {name}'s learned target positions: at most "
+                           f"{m.config.max_len}", param="max_len")
         loop, jobs = asyncio.get_running_loop(), []
         try:
             for src in sources:  # one job per sentence: each joins the running batch on its own

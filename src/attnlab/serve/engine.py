@@ -214,14 +214,17 @@ class _EngineLoop:
                         self._cv.wait()
                     if self._stop:
                         break
-                    # calls run now, whatever the batch's size; rows join in order while there is room
+                    # rows join in order while there is room; a call runs whatever the batch's size, one between
+                    # two steps of a running batch (a burst of them must not stall its rows), all when none runs
                     admit, waiting, room = [], deque(), self.max_batch - len(self._rows)
+                    calls = 1 if self._rows else len(self._pending)
                     for job in self._pending:
                         if job.cancelled:
                             continue
-                        if isinstance(job, Call) or room > 0:
+                        is_call = isinstance(job, Call)
+                        if (calls > 0) if is_call else (room > 0):
                             admit.append(job)
-                            room -= not isinstance(job, Call)
+                            calls, room = calls - is_call, room - (not is_call)
                         else:
                             waiting.append(job)
                     self._pending = waiting
