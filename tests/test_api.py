@@ -130,7 +130,7 @@ def test_stream_keeps_a_cut_multibyte_tail():
     from attnlab.api import LoadedModel
 
     class FakeTok:  # decodes byte ids; 0xE4 0xBD 0xA0 is "你"
-        pad_id = bos_id = eos_id = None
+        content_ids = staticmethod(list)  # (no padding or BOS ids among bytes)
         tk = type("TK", (), {"decode": staticmethod(lambda ids, skip_special_tokens=False:
                                                      bytes(ids).decode("utf-8", errors="replace"))})()
 

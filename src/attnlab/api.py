@@ -146,9 +146,8 @@ class LoadedModel:
         """The text the new tokens add to the prompt. Decoding them alone would lose the space a token
         carries at its start (" Paris"); decoding prompt + continuation and cutting keeps it."""
         raw = self.tokenizer.tk.decode  # not Tokenizer.decode: a chat prompt holds end-of-turn tokens
-        tok = self.tokenizer  # (without a chat template, new padding or BOS tokens are no text, as Tokenizer.decode
-        if not self.chat_template:  # drops them; with one, BOS may be a turn's start, <|im_start|>: stop strings see it)
-            new_ids = [i for i in new_ids if i not in (tok.pad_id, tok.bos_id) or i == tok.eos_id]
+        if not self.chat_template:  # (with one, BOS may be a turn's start, <|im_start|>: stop strings see it)
+            new_ids = self.tokenizer.content_ids(new_ids)
         before = raw(list(prompt_ids), skip_special_tokens=False)
         full = raw(list(prompt_ids) + list(new_ids), skip_special_tokens=False)
         return full[len(before):] if full.startswith(before) else self.tokenizer.decode(new_ids)
@@ -165,7 +164,7 @@ class LoadedModel:
         if self.kind == "classify" and self.task.get("add_bos", True):
             encoded = encode_for_classifier(self.tokenizer, texts, self._classifier_info())
         elif self.kind == "mlm":
-            encoded = mlm_rows(self.tokenizer, texts, self.task.get("max_len", self.config.max_len))
+            encoded = mlm_rows(self.tokenizer, texts, self._max_text_len())
         return embed(Pretrained(self.module, self.tokenizer, normalize=self.normalize), texts, batch_size, encoded)
 
     def classify(self, texts: list[str]) -> list[tuple[str, float]]:
@@ -182,10 +181,14 @@ class LoadedModel:
                                      self.device)
         return [(self.task["labels"][p], q) for p, q in zip(pred, prob)]
 
+    def _max_text_len(self) -> int:
+        """Tokens a text may take: the task record's ``max_len``, never past the model's positions (without one:
+        the model's)."""
+        return min(self.task.get("max_len", self.config.max_len), self.config.max_len)
+
     def _classifier_info(self) -> dict:
-        """The task record as ``encode_for_classifier`` reads it, its ``max_len`` never past the model's positions
-        (a record without one: the model's)."""
-        return {**self.task, "max_len": min(self.task.get("max_len", self.config.max_len), self.config.max_len)}
+        """The task record as ``encode_for_classifier`` reads it, with :meth:`_max_text_len`."""
+        return {**self.task, "max_len": self._max_text_len()}
 
     # -- scores ----------------------------------------------------------------------------------------------
     def score(self, texts: list[str] | str, references: list[str] | None = None,

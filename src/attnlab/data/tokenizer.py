@@ -49,8 +49,12 @@ class Tokenizer:
         b, e = [self.bos_id] if bos else [], [self.eos_id] if eos else []
         return [b + enc.ids + e for enc in self.tk.encode_batch(texts)]
 
+    def content_ids(self, ids: Iterable[int]) -> list[int]:
+        """``ids`` without padding and BOS, which are no text (EOS kept, where it is the padding id too)."""
+        return [i for i in ids if i not in (self.pad_id, self.bos_id) or i == self.eos_id]
+
     def decode(self, ids: Iterable[int]) -> str:
-        ids = [i for i in ids if i not in (self.pad_id, self.bos_id) or i == self.eos_id]
+        ids = self.content_ids(ids)
         if self.eos_id in ids:
             ids = ids[: ids.index(self.eos_id)]
         # The byte-fallback tokens <0xNN> are registered as special (so BPE never merges them) but
